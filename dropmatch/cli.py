@@ -1,0 +1,117 @@
+"""Command line: ``python -m dropmatch generate ...`` (more subcommands register themselves here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import DropMatchError
+from .methods import METHODS, Decoder, MethodConfig
+from .models import GEMMA_PAIR, PAIRS, load_pair
+from .sampling import SamplingConfig
+
+log = logging.getLogger("dropmatch")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models")
+    group.add_argument("--pair", default=GEMMA_PAIR, help=f"named pair: {', '.join(PAIRS)} (default {GEMMA_PAIR})")
+    group.add_argument("--target", help="target model: Hugging Face id or local directory (instead of --pair)")
+    group.add_argument("--draft", help="'ngram' for prompt lookup, else a draft model id or directory (with --target)")
+    group.add_argument("--dtype", help="float32, bfloat16 or float16 for hub models")
+    group.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
+
+
+def add_method_args(parser: argparse.ArgumentParser) -> None:
+    d = MethodConfig()
+    group = parser.add_argument_group("method")
+    group.add_argument("--method", default="sd", choices=METHODS)
+    group.add_argument("--draft-len", type=int, default=d.draft_len, help="draft tokens per step, L")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--seed", type=int, default=0)
+    dm = parser.add_argument_group("DropMatch (--method dropmatch)")
+    dm.add_argument("--k", type=int, default=d.k, help="number of dropout heads K")
+    dm.add_argument("--p-drop", type=float, default=d.p_drop, help="dropout probability on the head input")
+    dm.add_argument("--criterion", default=d.criterion, help="naive, js, majority or js+majority")
+    dm.add_argument("--majority", default=d.majority, help="strict (> K/2) or plurality")
+    dm.add_argument("--literal", action="store_true",
+                    help="paper-literal: the criterion decides every position, exact matches included")
+    dm.add_argument("--head-dtype", help="dtype of the dropout perturbation GEMM (default bfloat16)")
+    rv = parser.add_argument_group("rivals (--method topk|typical|divergence)")
+    rv.add_argument("--topk", type=int, default=d.topk, help="top-K acceptance: K")
+    rv.add_argument("--typical-eps", type=float, default=d.typical_eps)
+    rv.add_argument("--typical-delta", type=float, default=d.typical_delta)
+    rv.add_argument("--divergence", default=d.divergence, help="js or kl")
+    rv.add_argument("--divergence-threshold", type=float, default=d.divergence_threshold)
+    parser.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest n-gram for --draft ngram")
+
+
+def method_config(args: argparse.Namespace) -> MethodConfig:
+    return MethodConfig(
+        method=args.method, draft="ngram" if args.draft == "ngram" else "model", draft_len=args.draft_len,
+        k=args.k, p_drop=args.p_drop, criterion=args.criterion, majority=args.majority, literal=args.literal,
+        head_dtype=args.head_dtype, topk=args.topk, typical_eps=args.typical_eps,
+        typical_delta=args.typical_delta, divergence=args.divergence,
+        divergence_threshold=args.divergence_threshold, ngram_max=args.ngram_max,
+    )
+
+
+def pair_from_args(args: argparse.Namespace, config: MethodConfig):
+    draft_model = None if args.draft in (None, "ngram") else args.draft
+    need_draft = config.speculative and config.draft == "model"
+    if args.target:
+        if need_draft and draft_model is None:
+            raise DropMatchError("--target needs --draft ID (a draft model) or --draft ngram for this method")
+        return load_pair(None, target=args.target, draft=draft_model, dtype=args.dtype, device=args.device,
+                         need_draft=need_draft)
+    if draft_model is not None:
+        raise DropMatchError("--draft ID needs --target ID; with --pair only --draft ngram is accepted")
+    return load_pair(args.pair, dtype=args.dtype, device=args.device, need_draft=need_draft)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise DropMatchError("pass exactly one of --prompt TEXT or --prompt-file FILE")
+    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
+    config = method_config(args)
+    sampling = SamplingConfig(args.temperature, args.top_p)
+    decoder = Decoder(pair_from_args(args, config), config, sampling)
+    result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    text = decoder.pair.decode(result.token_ids)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
+    else:
+        print(text)
+        s = result.stats
+        log.info("%s: %d tokens, tau %.2f, %.2f tokens/s", config.label, s.new_tokens, s.tau, s.tokens_per_s)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dropmatch", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="decode one prompt")
+    add_model_args(gen)
+    add_method_args(gen)
+    gen.add_argument("--prompt")
+    gen.add_argument("--prompt-file")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (DropMatchError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,97 @@
+"""DropMatch acceptance criteria (paper Sec. 3.2, Algorithm 1) on K dropout heads.
+
+For a draft token x at a position, the K heads give logits l_1..l_K (K, V):
+
+* ``naive``: x equals the token of at least one head (its argmax; under sampling, the token the
+  head samples at the run's temperature / top-p).
+* ``majority``: x is the heads' majority token. ``strict`` (default): more than K/2 heads pick x.
+  ``plurality``: x is picked by strictly more heads than any other token (a tie rejects).
+* ``js``: JS(q || c) <= max_i JS(p_i || c), with c = softmax(mean_i l_i) the centroid, p_i the
+  heads' distributions and q the draft distribution (one-hot for drafters without one).
+* ``js+majority`` (Algorithm 1, the default): js OR majority.
+
+Distributions are untempered under greedy decoding and tempered / top-p under sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .divergence import js_divergence
+from .dropout_head import DropoutHead
+from .errors import ConfigError
+from .sampling import SamplingConfig, sample_with_uniform
+from .verification import PositionTest, VerifyInput
+
+CRITERIA = ("naive", "js", "majority", "js+majority")
+MAJORITY_RULES = ("strict", "plurality")
+
+
+def head_tokens(head_logits: torch.Tensor, sampling: SamplingConfig, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """Token of each head (K,): argmax under greedy decoding, else a sample with ``uniforms`` (K,)."""
+    if sampling.greedy:
+        return head_logits.argmax(dim=-1)
+    return sample_with_uniform(sampling.probs(head_logits), uniforms)
+
+
+def majority_accepts(tokens: torch.Tensor, draft_token: int, rule: str = "strict") -> bool:
+    """Whether ``draft_token`` is the majority of the heads' ``tokens`` (K,)."""
+    votes = int((tokens == draft_token).sum())
+    if rule == "strict":
+        return 2 * votes > tokens.numel()
+    counts = torch.bincount(tokens)
+    counts[draft_token] = 0
+    return votes > int(counts.max())
+
+
+def js_accepts(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: SamplingConfig) -> bool:
+    """JS(q || c) <= max_i JS(p_i || c) with c = softmax of the mean head logits (Eqs. 5-6)."""
+    centroid = sampling.probs(head_logits.mean(dim=0))
+    radius = js_divergence(sampling.probs(head_logits), centroid).max()
+    return bool(js_divergence(draft_dist, centroid) <= radius)
+
+
+def decide(criterion: str, head_logits: torch.Tensor, draft_token: int, draft_dist: torch.Tensor,
+           sampling: SamplingConfig, uniforms: torch.Tensor | None, majority: str = "strict") -> bool:
+    """One DropMatch decision from the K head logits (K, V) at one position."""
+    if criterion == "js":
+        return js_accepts(head_logits, draft_dist, sampling)
+    tokens = head_tokens(head_logits, sampling, uniforms)
+    if criterion == "naive":
+        return bool((tokens == draft_token).any())
+    if majority_accepts(tokens, draft_token, majority):
+        return True
+    return criterion == "js+majority" and js_accepts(head_logits, draft_dist, sampling)
+
+
+class DropMatch:
+    """The DropMatch criterion: K dropout heads computed only at the positions it is asked about.
+
+    All randomness of a step (the K x L x d masks, and under sampling the K x L head uniforms) is
+    drawn in :meth:`prepare`, so the decisions do not depend on which positions are evaluated:
+    computing every head at every position gives the same decisions (tested).
+    """
+
+    def __init__(self, head: DropoutHead, criterion: str = "js+majority", majority: str = "strict"):
+        if criterion not in CRITERIA:
+            raise ConfigError(f"unknown DropMatch criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
+        if majority not in MAJORITY_RULES:
+            raise ConfigError(f"unknown majority rule {majority!r}; choose strict or plurality")
+        self.head, self.criterion, self.majority = head, criterion, majority
+        self.name = f"dropmatch-{criterion}"
+
+    def draw(self, inp: VerifyInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Masks (L, K, d) and head uniforms (L, K) or ``None`` under greedy decoding."""
+        masks = self.head.draw_masks(inp.n_draft, inp.generator)
+        uniforms = None if inp.sampling.greedy else torch.rand((inp.n_draft, self.head.k), generator=inp.generator)
+        return masks, uniforms
+
+    def prepare(self, inp: VerifyInput) -> PositionTest:
+        masks, uniforms = self.draw(inp)
+
+        def test(j: int) -> bool:
+            logits = self.head.logits(inp.hidden[j : j + 1], inp.target_logits[j : j + 1], masks[j : j + 1])[0]
+            return decide(self.criterion, logits, int(inp.draft_tokens[j]), inp.draft_distribution(j),
+                          inp.sampling, None if uniforms is None else uniforms[j], self.majority)
+
+        return test

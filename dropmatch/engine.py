@@ -1,0 +1,130 @@
+"""The decoding loop: plain autoregressive decoding, or chain speculative decoding with any
+drafter and any verification rule. Batch size 1, KV caches on both models.
+
+One speculative step (draft length L):
+  1. the drafter proposes up to L tokens after the newest emitted token;
+  2. the target runs its trunk once over [newest, d_1..d_L] and its head on those L + 1 rows;
+  3. the rule keeps a prefix of the draft and names the next token;
+  4. both KV caches drop what was not kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .drafters import Drafter
+from .errors import ConfigError, PromptTooLongError
+from .models import CausalLM, rollback
+from .sampling import SamplingConfig, choose_token
+from .stats import GenerationStats
+from .verification import StandardVerification, VerificationRule, VerifyInput
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def check_lengths(target: CausalLM, n_prompt: int, max_new_tokens: int, draft_len: int) -> None:
+    if n_prompt < 1:
+        raise ConfigError("the prompt is empty: pass at least one token (e.g. the BOS token)")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if draft_len < 1:
+        raise ConfigError(f"draft length must be >= 1, got {draft_len}")
+    if n_prompt + max_new_tokens > target.max_positions:
+        raise PromptTooLongError(
+            f"prompt of {n_prompt} tokens + {max_new_tokens} new tokens exceeds the model's context of "
+            f"{target.max_positions} tokens; shorten the prompt or lower --max-new-tokens"
+        )
+
+
+def generate(
+    target: CausalLM,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    drafter: Drafter | None = None,
+    rule: VerificationRule | None = None,
+    draft_len: int = 5,
+    max_new_tokens: int = 64,
+    sampling: SamplingConfig | None = None,
+    seed: int = 0,
+    eos_token_ids: Sequence[int] = (),
+) -> GenerationResult:
+    """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+    Without a drafter this is autoregressive decoding. With one, speculative decoding verified by
+    ``rule`` (default: greedy exact match / speculative sampling). Stops after an EOS token, which
+    is included in the output; nothing is emitted past it.
+    """
+    sampling = sampling or SamplingConfig()
+    rule = rule or StandardVerification()
+    prompt = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids,
+                             dtype=torch.long, device=target.device).view(-1)
+    check_lengths(target, prompt.numel(), max_new_tokens, draft_len)
+    eos = set(int(i) for i in eos_token_ids)
+    stats = GenerationStats()
+    generator = torch.Generator().manual_seed(seed)
+    device = target.device
+    with torch.inference_mode():
+        start = _clock(device)
+        cache, hidden = target.new_cache(rollback=drafter is not None, prompt_ids=prompt)
+        token = choose_token(target.head(hidden[-1:])[0], sampling, generator)
+        output = [token]
+        stats.target_calls = stats.target_tokens = 1
+        stats.prefill_s = _clock(device) - start
+        if drafter is not None:
+            drafter.start(prompt)
+            stats.draft_s += _clock(device) - start - stats.prefill_s
+        while token not in eos and len(output) < max_new_tokens:
+            remaining = max_new_tokens - len(output)
+            if drafter is None:
+                token = choose_token(target.logits(prompt.new_tensor([token]), cache), sampling, generator)
+                output.append(token)
+                stats.target_calls += 1
+                stats.target_tokens += 1
+                continue
+            t0 = _clock(device)
+            draft = drafter.propose(token, min(draft_len, remaining - 1), sampling, generator)
+            t1 = _clock(device)
+            n = int(draft.tokens.numel())
+            verify_ids = torch.cat([prompt.new_tensor([token]), draft.tokens])
+            hidden = target.hidden(verify_ids, cache)
+            logits = target.head(hidden, exact=not sampling.greedy)
+            verdict = rule.verify(VerifyInput(draft.tokens, draft.probs, logits, hidden, sampling, generator,
+                                              draft.logits))
+            rollback(cache, n - verdict.n_accepted)
+            drafter.commit(verdict.n_accepted)
+            t2 = _clock(device)
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.target_calls += 1
+            stats.drafted_per_step.append(n)
+            stats.extra_accepts += verdict.extra_accepts
+            stats.criterion_evaluations += verdict.criterion_evaluations
+            accepted = 0
+            for t in draft.tokens[: verdict.n_accepted].tolist():
+                output.append(t)
+                accepted += 1
+                if t in eos:
+                    break
+            stats.accepted_per_step.append(accepted)
+            token = output[-1]
+            if token not in eos:
+                token = verdict.next_token
+                output.append(token)
+                stats.target_tokens += 1
+        stats.wall_s = _clock(device) - start
+    stats.new_tokens = len(output)
+    return GenerationResult(output, stats)

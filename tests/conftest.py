@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random pairs (fast) and the embedded Gemma pair (loaded once per session)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dropmatch.models import ByteTokenizer, CausalLM, ModelPair, load_pair, tiny_pair
+
+
+def make_tiny(arch: str = "llama", seed: int = 0, draft_noise: float = 0.05, **kw) -> ModelPair:
+    target, draft = tiny_pair(arch=arch, seed=seed, draft_noise=draft_noise, **kw)
+    return ModelPair(CausalLM(target), CausalLM(draft), ByteTokenizer(), f"tiny-{arch}")
+
+
+@pytest.fixture(scope="session")
+def tiny() -> ModelPair:
+    return make_tiny("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma() -> ModelPair:
+    """Gemma-3 architecture with a sliding window of 8 tokens on two of three layers."""
+    return make_tiny("gemma3", draft_noise=0.1)
+
+
+@pytest.fixture(scope="session")
+def gemma() -> ModelPair:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return load_pair("gemma-3-270m")
+
+
+def random_prompt(seed: int, low: int = 3, high: int = 259, max_len: int = 24) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, max_len, (1,), generator=g))
+    return torch.randint(low, high, (n,), generator=g)

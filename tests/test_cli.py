@@ -1,0 +1,61 @@
+"""The command line, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dropmatch", *args], capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "dropmatch", "topk", "typical", "divergence"])
+def test_generate_json_is_one_object_on_stdout(method):
+    out = run("generate", "--pair", "tiny", "--method", method, "--draft-len", "4", "--max-new-tokens", "24",
+              "--temperature", "0", "--seed", "0", "--prompt", "Hello there", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)  # exactly one object: anything else fails to parse
+    assert set(result) == {"text", "token_ids", "stats"}
+    stats = result["stats"]
+    for key in ("new_tokens", "target_calls", "tau", "accepted_per_step", "wall_s", "tokens_per_s", "extra_accepts"):
+        assert key in stats
+    assert stats["new_tokens"] == len(result["token_ids"]) == 24
+    if method == "ar":
+        assert stats["tau"] == 1.0
+    if method == "sd":
+        assert stats["extra_accepts"] == 0
+
+
+def test_ngram_drafter_and_prompt_file(tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("abc abc abc abc")
+    out = run("generate", "--pair", "tiny", "--method", "sd", "--draft", "ngram", "--prompt-file", str(prompt),
+              "--max-new-tokens", "16", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["stats"]["new_tokens"] == 16
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "dropmatch", "--k", "0"], "K"),
+    (["--method", "dropmatch", "--p-drop", "1.5"], "p_drop"),
+    (["--method", "dropmatch", "--criterion", "vote"], "criterion"),
+    (["--max-new-tokens", "2000"], "context"),
+    (["--draft", "some/model"], "--target"),
+])
+def test_bad_input_is_a_clear_error(args, message):
+    out = run("generate", "--pair", "tiny", "--prompt", "hi", *args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unknown_model_offline():
+    out = run("generate", "--target", "no-such-org/no-such-model", "--draft", "no-such-org/x", "--prompt", "hi",
+              env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2
+    assert "local" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,277 @@
+"""DropMatch: invariants, hand-computed criteria, the cheap path, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dropmatch.divergence import js_divergence
+from dropmatch.drafters import ModelDrafter, NgramDrafter
+from dropmatch.dropmatch_criteria import CRITERIA, DropMatch, decide, js_accepts, majority_accepts
+from dropmatch.dropout_head import DropoutHead
+from dropmatch.engine import generate
+from dropmatch.errors import ConfigError
+from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.sampling import SamplingConfig
+from dropmatch.verification import RelaxedVerification, VerifyInput
+
+from .conftest import make_tiny, random_prompt
+
+GREEDY = SamplingConfig()
+
+
+def _comparable(stats) -> dict:
+    d = stats.to_dict()
+    return {k: v for k, v in d.items() if not k.endswith("_s") and k != "tokens_per_s"}
+
+
+# ---------------------------------------------------------------------------------------------
+# p_drop = 0 is standard verification
+
+
+@pytest.mark.parametrize("criterion", CRITERIA)
+def test_p_drop_zero_equals_greedy_sd(tiny, criterion):
+    for seed in range(6):
+        prompt = random_prompt(seed)
+        sd = Decoder(tiny, MethodConfig("sd", draft_len=4)).generate(prompt, max_new_tokens=40, seed=seed)
+        dm = Decoder(tiny, MethodConfig("dropmatch", draft_len=4, p_drop=0.0, criterion=criterion))
+        out = dm.generate(prompt, max_new_tokens=40, seed=seed)
+        assert out.token_ids == sd.token_ids
+        sd_stats, dm_stats = _comparable(sd.stats), _comparable(out.stats)
+        assert dm_stats.pop("criterion_evaluations") > 0  # the heads really ran
+        sd_stats.pop("criterion_evaluations")
+        assert dm_stats == sd_stats and out.stats.extra_accepts == 0
+
+
+def test_p_drop_zero_heads_equal_clean_logits():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 8, generator=g)
+    hidden = torch.randn(3, 8, generator=g)
+    clean = hidden @ weight.T
+    head = DropoutHead(weight, k=4, p_drop=0.0)
+    logits = head.logits(hidden, clean, head.draw_masks(3, g))
+    assert torch.equal(logits, clean.unsqueeze(1).expand(-1, 4, -1))
+
+
+def test_dropout_head_matches_definition():
+    """Head i equals W (h * m_i / (1 - p)) (up to bfloat16 perturbation rounding)."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 16, generator=g) * 0.3
+    hidden = torch.randn(2, 16, generator=g) * 3
+    clean = hidden @ weight.T
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+        head = DropoutHead(weight, k=5, p_drop=0.3, compute_dtype=dtype)
+        masks = head.draw_masks(2, torch.Generator().manual_seed(2))
+        expected = torch.einsum("nkd,vd->nkv", hidden.unsqueeze(1) * masks / 0.7, weight)
+        torch.testing.assert_close(head.logits(hidden, clean, masks), expected, atol=tol, rtol=tol)
+        assert 0.6 < masks.float().mean() < 0.8
+
+
+def test_masks_are_reproducible_and_seed_dependent():
+    head = DropoutHead(torch.randn(10, 64), k=5, p_drop=0.3)
+    a = head.draw_masks(4, torch.Generator().manual_seed(7))
+    assert torch.equal(a, head.draw_masks(4, torch.Generator().manual_seed(7)))
+    assert not torch.equal(a, head.draw_masks(4, torch.Generator().manual_seed(8)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-computed criteria
+
+
+def _logits_for(probs: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(probs).log()
+
+
+def test_naive_and_majority_by_hand():
+    # five heads over four tokens; argmaxes: 0, 0, 1, 0, 2
+    heads = _logits_for([[.7, .1, .1, .1], [.6, .2, .1, .1], [.2, .5, .2, .1], [.5, .3, .1, .1], [.3, .2, .4, .1]])
+    tokens = heads.argmax(-1)
+    q = torch.full((4,), 0.25)
+    assert decide("naive", heads, 1, q, GREEDY, None)  # head 3 picks token 1
+    assert not decide("naive", heads, 3, q, GREEDY, None)
+    assert majority_accepts(tokens, 0, "strict")  # 3 of 5
+    assert not majority_accepts(tokens, 1, "strict")
+    assert majority_accepts(tokens, 0, "plurality")
+    assert not majority_accepts(tokens, 2, "plurality")
+
+
+def test_majority_ties():
+    tokens = torch.tensor([4, 4, 7, 7])  # K = 4, a 2-2 tie
+    assert not majority_accepts(tokens, 4, "strict")  # 2 is not more than K/2
+    assert not majority_accepts(tokens, 4, "plurality")  # a tie rejects
+    assert not majority_accepts(tokens, 7, "plurality")
+    assert majority_accepts(torch.tensor([4, 4, 7, 1]), 4, "plurality")  # 2 beats 1 and 1
+    assert not majority_accepts(torch.tensor([4, 4, 7, 1]), 4, "strict")
+    assert majority_accepts(torch.tensor([3, 3, 3]), 3, "strict")
+
+
+def test_js_by_hand():
+    # two heads, two tokens: p1 = (0.8, 0.2), p2 = (0.6, 0.4); centroid = softmax(mean logits)
+    heads = _logits_for([[0.8, 0.2], [0.6, 0.4]])
+    mean = heads.mean(0)
+    c = torch.softmax(mean, -1)
+    assert math.isclose(float(c[0]), math.sqrt(0.48) / (math.sqrt(0.48) + math.sqrt(0.08)), rel_tol=1e-6)
+
+    def js(a, b):
+        m = [(x + y) / 2 for x, y in zip(a, b, strict=True)]
+        return 0.5 * sum(x * math.log(x / z) for x, z in zip(a, m, strict=True)) + 0.5 * sum(
+            y * math.log(y / z) for y, z in zip(b, m, strict=True))
+
+    cl = c.tolist()
+    radius = max(js([0.8, 0.2], cl), js([0.6, 0.4], cl))
+    assert math.isclose(float(js_divergence(torch.exp(heads), c).max()), radius, rel_tol=1e-5)
+    inside, outside = torch.tensor([0.7, 0.3]), torch.tensor([0.2, 0.8])
+    assert js([0.7, 0.3], cl) <= radius < js([0.2, 0.8], cl)
+    assert js_accepts(heads, inside, GREEDY)
+    assert not js_accepts(heads, outside, GREEDY)
+    # identical heads: radius 0, only the centroid itself is inside
+    same = _logits_for([[0.8, 0.2]] * 3)
+    assert not js_accepts(same, torch.tensor([0.79, 0.21]), GREEDY)
+    # js+majority rescues the concentrated case (paper Fig. 4b)
+    one_hot = torch.tensor([1.0, 0.0])
+    assert not decide("js", same, 0, one_hot, GREEDY, None)
+    assert decide("js+majority", same, 0, one_hot, GREEDY, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cheap path takes the same decisions as every head at every position
+
+
+def _random_case(seed: int, sampling: SamplingConfig, vocab: int = 40, d: int = 12, n_draft: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, d, generator=g)
+    hidden = torch.randn(n_draft + 1, d, generator=g)
+    logits = hidden @ weight.T
+    draft = logits[:n_draft].argmax(-1)
+    flip = torch.rand(n_draft, generator=g) < 0.5  # half the positions are near-misses
+    draft = torch.where(flip, logits[:n_draft].topk(3, -1).indices[:, 1 + seed % 2], draft)
+    q = torch.softmax(torch.randn(n_draft, vocab, generator=g) + logits[:n_draft], -1)
+    if not sampling.greedy:
+        q = sampling.probs(torch.randn(n_draft, vocab, generator=g) + logits[:n_draft])
+        return weight, VerifyInput(draft, q, logits, hidden, sampling, g)
+    return weight, VerifyInput(draft, None, logits, hidden, sampling, g, draft_logits=q.log())
+
+
+def _reference_verdict(dm: DropMatch, inp: VerifyInput, seed: int) -> tuple[int, int]:
+    """Every head at every position, then the decision chain."""
+    inp = VerifyInput(inp.draft_tokens, inp.draft_probs, inp.target_logits, inp.hidden, inp.sampling,
+                      torch.Generator().manual_seed(seed), inp.draft_logits)
+    n = inp.n_draft
+    if inp.sampling.greedy:
+        standard = (inp.draft_tokens == inp.target_logits[:n].argmax(-1)).tolist()
+    else:
+        uniforms = torch.rand(n + 1, generator=inp.generator)
+        p = inp.sampling.probs(inp.target_logits)
+        standard = [bool(uniforms[j] * inp.draft_probs[j, inp.draft_tokens[j]] < p[j, inp.draft_tokens[j]])
+                    for j in range(n)]
+    masks, head_uniforms = dm.draw(inp)
+    decisions = []
+    for j in range(n):
+        heads = dm.head.logits(inp.hidden[j : j + 1], inp.target_logits[j : j + 1], masks[j : j + 1])[0]
+        decisions.append(decide(dm.criterion, heads, int(inp.draft_tokens[j]), inp.draft_distribution(j),
+                                inp.sampling, None if head_uniforms is None else head_uniforms[j], dm.majority))
+    for j in range(n):
+        if not (standard[j] or decisions[j]):
+            return j, sum(1 for i in range(j) if not standard[i])
+    return n, sum(1 for s in standard if not s)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(0.8, 0.9)])
+@pytest.mark.parametrize("criterion", CRITERIA)
+def test_cheap_path_equals_every_head_everywhere(criterion, sampling):
+    evaluated = 0
+    for seed in range(60):
+        weight, inp = _random_case(seed, sampling)
+        dm = DropMatch(DropoutHead(weight, k=5, p_drop=0.3, compute_dtype=torch.float32), criterion)
+        cheap_inp = VerifyInput(inp.draft_tokens, inp.draft_probs, inp.target_logits, inp.hidden, sampling,
+                                torch.Generator().manual_seed(seed), inp.draft_logits)
+        verdict = RelaxedVerification(dm).verify(cheap_inp)
+        assert (verdict.n_accepted, verdict.extra_accepts) == _reference_verdict(dm, inp, seed), seed
+        evaluated += verdict.criterion_evaluations
+    assert evaluated < 60 * 5  # the heads were not computed everywhere
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding behaviour
+
+
+def test_same_seed_same_output_different_seeds_can_differ(tiny):
+    decoder = Decoder(tiny, MethodConfig("dropmatch", p_drop=0.3, draft_len=4))
+    prompt = random_prompt(11)
+    runs = [decoder.generate(prompt, max_new_tokens=48, seed=s).token_ids for s in (0, 0, 1, 2, 3)]
+    assert runs[0] == runs[1]
+    assert len({tuple(r) for r in runs[1:]}) > 1
+
+
+def test_dropmatch_accepts_more_on_tiny_pair(tiny):
+    sd = dm = 0.0
+    for seed in range(4):
+        prompt = random_prompt(seed)
+        sd += Decoder(tiny, MethodConfig("sd", draft_len=5)).generate(prompt, max_new_tokens=48).stats.tau
+        result = Decoder(tiny, MethodConfig("dropmatch", draft_len=5)).generate(prompt, max_new_tokens=48)
+        dm += result.stats.tau
+        assert result.stats.extra_accepts > 0
+    assert dm > sd
+
+
+def test_sampling_and_ngram_paths_run(tiny):
+    prompt = random_prompt(4)
+    sampled = Decoder(tiny, MethodConfig("dropmatch", draft_len=4), SamplingConfig(0.8, 0.95))
+    s = sampled.generate(prompt, max_new_tokens=32, seed=1).stats
+    assert sum(s.accepted_per_step) + s.target_tokens == s.new_tokens
+    ngram = generate(tiny.target, prompt, drafter=NgramDrafter(), draft_len=4, max_new_tokens=32,
+                     rule=Decoder(tiny, MethodConfig("dropmatch", criterion="js")).rule)
+    assert ngram.stats.new_tokens == 32
+
+
+def test_bfloat16_model():
+    pair = make_tiny("llama", dtype=torch.bfloat16)
+    out = Decoder(pair, MethodConfig("dropmatch")).generate(random_prompt(0), max_new_tokens=16)
+    assert out.stats.new_tokens == 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu(tiny):
+    pair = make_tiny("llama")
+    cpu = Decoder(pair, MethodConfig("dropmatch", head_dtype="float32")).generate(random_prompt(0), 32).token_ids
+    pair.target.model.cuda()
+    pair.draft.model.cuda()
+    gpu = Decoder(pair, MethodConfig("dropmatch", head_dtype="float32")).generate(random_prompt(0), 32).token_ids
+    assert gpu == cpu
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"k": 0}, "K"), ({"k": -3}, "K"), ({"p_drop": 1.0}, "p_drop"), ({"p_drop": -0.1}, "p_drop"),
+    ({"criterion": "cosine"}, "criterion"), ({"majority": "some"}, "majority"),
+])
+def test_bad_dropmatch_options(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        MethodConfig("dropmatch", **kwargs)
+
+
+def test_bad_options_in_pure_classes():
+    with pytest.raises(ConfigError, match="K"):
+        DropoutHead(torch.zeros(4, 2), k=0)
+    with pytest.raises(ConfigError, match="criterion"):
+        DropMatch(DropoutHead(torch.zeros(4, 2)), criterion="naive+js")
+    with pytest.raises(ConfigError, match="method"):
+        MethodConfig("medusa")
+
+
+def test_model_drafter_interface_round_trip(tiny):
+    """A drafter's proposal after commit continues the accepted prefix (cache bookkeeping)."""
+    drafter = ModelDrafter(tiny.draft)
+    prompt = random_prompt(9)
+    drafter.start(prompt)
+    first = drafter.propose(5, 4, GREEDY, torch.Generator()).tokens.tolist()
+    drafter.commit(2)
+    again = ModelDrafter(tiny.draft)
+    again.start(torch.cat([prompt, torch.tensor([5] + first[:2])]))
+    assert drafter.propose(77, 3, GREEDY, torch.Generator()).tokens.tolist() == \
+        again.propose(77, 3, GREEDY, torch.Generator()).tokens.tolist()

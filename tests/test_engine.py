@@ -1,0 +1,141 @@
+"""Invariants of the decoding engine on tiny random models (CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dropmatch.drafters import ModelDrafter, NgramDrafter, lookup
+from dropmatch.engine import generate
+from dropmatch.errors import ConfigError, PromptTooLongError
+from dropmatch.models import rollback
+from dropmatch.sampling import SamplingConfig
+from dropmatch.verification import StandardVerification
+
+from .conftest import random_prompt
+
+
+@pytest.mark.parametrize("arch", ["tiny", "tiny_gemma"])
+def test_greedy_sd_equals_greedy_ar(arch, request):
+    """Token for token, for a model drafter at several draft lengths and for n-gram lookup."""
+    pair = request.getfixturevalue(arch)
+    for seed in range(12):
+        prompt = random_prompt(seed)
+        ar = generate(pair.target, prompt, max_new_tokens=48).token_ids
+        for draft_len in (1, 3, 6):
+            sd = generate(pair.target, prompt, drafter=ModelDrafter(pair.draft), draft_len=draft_len,
+                          max_new_tokens=48)
+            assert sd.token_ids == ar, (seed, draft_len)
+        ngram = generate(pair.target, prompt, drafter=NgramDrafter(), draft_len=4, max_new_tokens=48)
+        assert ngram.token_ids == ar, seed
+
+
+def test_sd_actually_speculates(tiny):
+    """The equality test above means something only if drafts are accepted and rejected."""
+    result = generate(tiny.target, random_prompt(1), drafter=ModelDrafter(tiny.draft), draft_len=4,
+                      max_new_tokens=64)
+    accepted = result.stats.accepted_per_step
+    assert result.stats.tau > 1.3
+    assert any(a == 4 for a in accepted) and any(a < 4 for a in accepted)
+
+
+def test_cache_rollback_exact(tiny_gemma):
+    """After rejections, every verify row equals a fresh full forward over the same prefix.
+
+    Run on the sliding-window model with sequences far past its window (8 tokens).
+    """
+    pair = tiny_gemma
+    recorded: list[torch.Tensor] = []
+
+    class Recording(StandardVerification):
+        def verify(self, inp):
+            recorded.append(inp.target_logits.clone())
+            return super().verify(inp)
+
+    prompt = random_prompt(3, max_len=12)
+    result = generate(pair.target, prompt, drafter=ModelDrafter(pair.draft), rule=Recording(), draft_len=5,
+                      max_new_tokens=60)
+    stats = result.stats
+    assert any(a < d for a, d in zip(stats.accepted_per_step, stats.drafted_per_step, strict=True))
+    sequence = torch.cat([prompt, torch.tensor(result.token_ids)])
+    with torch.no_grad():
+        full = pair.target.model(sequence.view(1, -1)).logits[0].float()
+    emitted = 1  # the prefill emitted one token
+    for logits, accepted in zip(recorded, stats.accepted_per_step, strict=True):
+        # row j predicts the token after prompt + output[:emitted + j], for the kept rows j <= accepted
+        for j in range(accepted + 1):
+            position = len(prompt) - 1 + emitted + j
+            if position + 1 < len(sequence):
+                torch.testing.assert_close(logits[j], full[position], atol=2e-4, rtol=1e-4)
+        emitted += accepted + 1
+
+
+def test_rollback_then_continue_matches_fresh_forward(tiny_gemma):
+    target = tiny_gemma.target
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(3, 259, (n,), generator=g) for n in (20, 6, 7))
+    with torch.no_grad():
+        cache, _ = target.new_cache(rollback=True, prompt_ids=a)
+        target.hidden(b, cache)
+        rollback(cache, 4)  # keep b[:2]
+        cached = target.head(target.hidden(c, cache))
+        fresh = target.model(torch.cat([a, b[:2], c]).view(1, -1)).logits[0, -len(c):].float()
+    torch.testing.assert_close(cached, fresh, atol=2e-4, rtol=1e-4)
+
+
+def test_statistics_add_up(tiny):
+    prompt = random_prompt(5)
+    ar = generate(tiny.target, prompt, max_new_tokens=30).stats
+    assert ar.tau == 1.0 and ar.target_calls == ar.new_tokens == 30
+    for drafter in (ModelDrafter(tiny.draft), NgramDrafter()):
+        s = generate(tiny.target, prompt, drafter=drafter, draft_len=4, max_new_tokens=30).stats
+        assert sum(s.accepted_per_step) + s.target_tokens == s.new_tokens == 30
+        assert s.target_calls == 1 + s.verify_steps
+        assert s.tau == pytest.approx(s.new_tokens / s.target_calls)
+        assert all(0 <= a <= d <= 4 for a, d in zip(s.accepted_per_step, s.drafted_per_step, strict=True))
+        rates = s.acceptance_rate_per_position
+        assert all(0 <= r <= 1 for r in rates)
+        assert rates == sorted(rates, reverse=True)  # reaching position k needs all before it
+        assert s.wall_s >= s.draft_s + s.verify_s - 1e-3
+
+
+def test_stops_at_eos_and_never_past_it(tiny):
+    prompt = random_prompt(7)
+    free = generate(tiny.target, prompt, max_new_tokens=40).token_ids
+    eos = free[17]  # a token the model does emit
+    cut = free[: free.index(eos) + 1]
+    for drafter in (None, ModelDrafter(tiny.draft), NgramDrafter()):
+        result = generate(tiny.target, prompt, drafter=drafter, draft_len=5, max_new_tokens=40,
+                          eos_token_ids=[eos])
+        assert result.token_ids == cut
+        s = result.stats
+        assert sum(s.accepted_per_step) + s.target_tokens == s.new_tokens == len(cut)
+
+
+def test_same_seed_same_output_different_seeds_differ(tiny):
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95)
+    prompt = random_prompt(2)
+
+    def run(seed):
+        return generate(tiny.target, prompt, drafter=ModelDrafter(tiny.draft), draft_len=4, max_new_tokens=32,
+                        sampling=sampling, seed=seed).token_ids
+
+    assert run(0) == run(0)
+    assert len({tuple(run(s)) for s in range(4)}) > 1
+
+
+def test_bad_lengths(tiny):
+    with pytest.raises(PromptTooLongError, match="context"):
+        generate(tiny.target, torch.full((1020,), 5), max_new_tokens=10)
+    with pytest.raises(ConfigError, match="empty"):
+        generate(tiny.target, [], max_new_tokens=10)
+    with pytest.raises(ConfigError, match="draft length"):
+        generate(tiny.target, [2, 5], drafter=NgramDrafter(), draft_len=0)
+
+
+def test_ngram_lookup():
+    assert lookup([1, 2, 3, 9, 1, 2], 3, max_ngram=2) == [3, 9, 1]
+    assert lookup([5, 6, 7], 2, max_ngram=3) == []
+    # the most recent match wins, and the longest n-gram is tried first
+    assert lookup([1, 2, 8, 3, 2, 9, 1, 2], 1, max_ngram=2) == [8]
+    assert lookup([4, 2, 8, 3, 2, 9, 1, 2], 1, max_ngram=2) == [9]

@@ -1,0 +1,78 @@
+"""The embedded pair: Gemma-3-270M float32 target, int8 self-draft (converted and cached on first use)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dropmatch.drafters import ModelDrafter
+from dropmatch.engine import generate
+from dropmatch.methods import Decoder, MethodConfig
+
+pytestmark = pytest.mark.gemma
+
+# Our own short prompts: English math, Python code, Korean text.
+PROMPTS = {
+    "math": "Question: Tom has 3 boxes with 4 apples each. How many apples does he have?\n"
+            "Answer: 3 boxes with 4 apples each make 3 * 4 = 12 apples. #### 12\n\n"
+            "Question: A farmer has 12 cows and buys 7 more. Each cow gives 3 liters of milk a day. "
+            "How many liters does the farmer get per day?\nAnswer:",
+    "code": 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
+    "korean": "서울은 대한민국의 수도이며, 한강이 도시를 가로질러 흐른다. 서울에는 많은 궁궐과",
+}
+
+
+def test_pair_shapes(gemma):
+    assert gemma.target.vocab_size == gemma.draft.vocab_size == 262144
+    assert gemma.target.head_weight.dtype == torch.float32
+    assert "quantized" in type(gemma.draft.lm_head).__module__  # the untied head is int8 too
+    assert gemma.target.fast_head in (True, False)
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_sd_equals_ar(gemma, name):
+    ids = gemma.encode(PROMPTS[name])
+    ar = generate(gemma.target, ids, max_new_tokens=40, eos_token_ids=gemma.eos_token_ids)
+    sd = generate(gemma.target, ids, drafter=ModelDrafter(gemma.draft), draft_len=5, max_new_tokens=40,
+                  eos_token_ids=gemma.eos_token_ids)
+    assert sd.token_ids == ar.token_ids
+    assert sd.stats.tau > 1.5
+
+
+def test_screened_head_is_exact_where_it_matters(gemma):
+    target = gemma.target
+    ids = torch.tensor(gemma.encode(PROMPTS["math"] + PROMPTS["korean"]))
+    with torch.inference_mode():
+        _, hidden = target.new_cache(prompt_ids=ids)
+        exact = F.linear(hidden, target.head_weight)
+        if not target.fast_head:
+            pytest.skip("no native bfloat16 GEMM on this CPU: the screened head is off")
+        screened = target.head(hidden, exact=False)
+    assert torch.equal(screened.argmax(-1), exact.argmax(-1))
+    likely = exact >= exact.amax(-1, keepdim=True) - 4.0  # within 4 nats of the top: float32 values
+    torch.testing.assert_close(screened[likely], exact[likely], atol=1e-4, rtol=1e-5)
+    tv = 0.5 * (torch.softmax(screened, -1) - torch.softmax(exact, -1)).abs().sum(-1)
+    assert float(tv.max()) < 0.02
+
+
+def test_p_drop_zero_equals_sd(gemma):
+    ids = gemma.encode(PROMPTS["code"])
+    sd = Decoder(gemma, MethodConfig("sd")).generate(ids, max_new_tokens=32)
+    dm = Decoder(gemma, MethodConfig("dropmatch", p_drop=0.0)).generate(ids, max_new_tokens=32)
+    assert dm.token_ids == sd.token_ids
+    assert dm.stats.accepted_per_step == sd.stats.accepted_per_step
+
+
+def test_dropmatch_raises_tau_over_sd(gemma):
+    """Mean tau over math, code and Korean prompts (greedy, L = 5, K = 5, p_drop = 0.3)."""
+    sd_tau, dm_tau, extra = [], [], 0
+    for text in PROMPTS.values():
+        ids = gemma.encode(text)
+        sd_tau.append(Decoder(gemma, MethodConfig("sd")).generate(ids, max_new_tokens=48).stats.tau)
+        dm = Decoder(gemma, MethodConfig("dropmatch")).generate(ids, max_new_tokens=48)
+        dm_tau.append(dm.stats.tau)
+        extra += dm.stats.extra_accepts
+    print(f"mean tau: sd {sum(sd_tau) / 3:.3f}, dropmatch {sum(dm_tau) / 3:.3f}")
+    assert extra > 0
+    assert sum(dm_tau) > sum(sd_tau)
