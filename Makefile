@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check dropmatch tests notebooks
 
 test: lint
-	$(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q
 
 reproduce: $(STAMP)
 	$(PY) -m dropmatch.reproduce --preset $(PRESET) $(ARGS)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .errors import DropMatchError
+from .fidelity import compare_to_greedy, summarize_fidelity
 from .methods import METHODS, Decoder, MethodConfig
 from .models import GEMMA_PAIR, PAIRS, load_pair
 from .sampling import SamplingConfig
@@ -82,12 +83,73 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder = Decoder(pair_from_args(args, config), config, sampling)
     result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed)
     text = decoder.pair.decode(result.token_ids)
+    payload = {"text": text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}
+    if args.fidelity:
+        payload["fidelity"] = fidelity_of(decoder, [prompt], [result.token_ids], args.max_new_tokens)[0].to_dict()
     if args.json:
-        print(json.dumps({"text": text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
+        print(json.dumps(payload))
     else:
         print(text)
         s = result.stats
         log.info("%s: %d tokens, tau %.2f, %.2f tokens/s", config.label, s.new_tokens, s.tau, s.tokens_per_s)
+        if args.fidelity:
+            log.info("fidelity to the target's greedy output: %s", payload["fidelity"])
+    return 0
+
+
+def fidelity_of(decoder: Decoder, prompts: list[str], outputs: list[list[int]], max_new_tokens: int):
+    """Compare outputs with the target's greedy output (decoded with lossless greedy SD, which is identical)."""
+    reference = Decoder(decoder.pair, MethodConfig("sd", draft_len=decoder.config.draft_len,
+                                                   draft=decoder.config.draft), SamplingConfig())
+    if decoder.pair.draft is None:
+        reference = Decoder(decoder.pair, MethodConfig("ar"), SamplingConfig())
+    results = []
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = decoder.pair.encode(prompt)
+        greedy = reference.generate(ids, max_new_tokens=max_new_tokens).token_ids
+        results.append(compare_to_greedy(decoder.pair.target, ids, output, greedy))
+    return results
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a text file (one per line) or a JSON-lines file (field ``prompt``)."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    if path.endswith(".jsonl"):
+        return [json.loads(line)["prompt"] for line in lines]
+    return [line.replace("\\n", "\n") for line in lines]
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    config = method_config(args)
+    decoder = Decoder(pair_from_args(args, config), config, SamplingConfig(args.temperature, args.top_p))
+    prompts = read_prompts(args.prompts)
+    outputs = [decoder.generate(p, max_new_tokens=args.max_new_tokens, seed=args.seed).token_ids for p in prompts]
+    items = fidelity_of(decoder, prompts, outputs, args.max_new_tokens)
+    print(json.dumps({"method": config.label, **summarize_fidelity(items), "per_prompt": [f.to_dict() for f in items]}))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runner import run_task
+
+    config = method_config(args)
+    decoder = Decoder(pair_from_args(args, config), config, SamplingConfig(args.temperature, args.top_p))
+    records = run_task(decoder, args.task, args.out, limit=args.limit, seed=args.seed,
+                       max_new_tokens=args.max_new_tokens, fidelity=args.fidelity,
+                       chat_template=args.chat_template, data_dir=args.data_dir)
+    log.info("%d results in %s", len(records), args.out)
+    return 0
+
+
+def cmd_summarize(args: argparse.Namespace) -> int:
+    from .benchmarks.common import format_table
+    from .summarize import COLUMNS, summarize_files
+
+    rows = summarize_files(args.files, baseline=args.baseline)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)]))
     return 0
 
 
@@ -102,7 +164,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    gen.add_argument("--fidelity", action="store_true",
+                     help="also compare with the target's greedy output (exact match, first divergence, NLL)")
     gen.set_defaults(func=cmd_generate)
+    fid = sub.add_parser("fidelity", help="fidelity of a method to the target's greedy output on a prompt set")
+    add_model_args(fid)
+    add_method_args(fid)
+    fid.add_argument("--prompts", required=True,
+                     help="text file (one prompt per line, \\n for newlines) or .jsonl with a 'prompt' field")
+    fid.add_argument("--max-new-tokens", type=int, default=64)
+    fid.set_defaults(func=cmd_fidelity)
+    run = sub.add_parser("run", help="decode a benchmark into a JSON-lines file (resumable)")
+    add_model_args(run)
+    add_method_args(run)
+    run.add_argument("--task", required=True, help="gsm8k, mmlu, humaneval, ifeval, mt_bench, komt_bench, klue_nli, kullm")
+    run.add_argument("--out", required=True, help="results file (JSON lines); an existing one is resumed")
+    run.add_argument("--limit", type=int, help="first N examples")
+    run.add_argument("--max-new-tokens", type=int, help="default: the task's own")
+    run.add_argument("--fidelity", action="store_true", help="also record fidelity to the target's greedy output")
+    run.add_argument("--chat-template", action="store_true", help="use the tokenizer's chat template (chat tasks)")
+    run.add_argument("--data-dir", help="benchmark data directory (default: $DROPMATCH_DATA or ../shared/data)")
+    run.set_defaults(func=cmd_run)
+    summ = sub.add_parser("summarize", help="one table over result files")
+    summ.add_argument("files", nargs="+")
+    summ.add_argument("--baseline", default="sd", help="method label (or prefix) the speedup is relative to")
+    summ.add_argument("--json", action="store_true")
+    summ.set_defaults(func=cmd_summarize)
     return parser
 
 

@@ -11,7 +11,7 @@ One speculative step (draft length L):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,12 +61,14 @@ def generate(
     sampling: SamplingConfig | None = None,
     seed: int = 0,
     eos_token_ids: Sequence[int] = (),
+    should_stop: Callable[[list[int]], bool] | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     Without a drafter this is autoregressive decoding. With one, speculative decoding verified by
     ``rule`` (default: greedy exact match / speculative sampling). Stops after an EOS token, which
-    is included in the output; nothing is emitted past it.
+    is included in the output; nothing is emitted past it. ``should_stop(output_ids)`` is asked after
+    every step (e.g. for stop strings); the step's tokens are kept.
     """
     sampling = sampling or SamplingConfig()
     rule = rule or StandardVerification()
@@ -87,7 +89,7 @@ def generate(
         if drafter is not None:
             drafter.start(prompt)
             stats.draft_s += _clock(device) - start - stats.prefill_s
-        while token not in eos and len(output) < max_new_tokens:
+        while token not in eos and len(output) < max_new_tokens and not (should_stop and should_stop(output)):
             remaining = max_new_tokens - len(output)
             if drafter is None:
                 token = choose_token(target.logits(prompt.new_tensor([token]), cache), sampling, generator)

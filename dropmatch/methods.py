@@ -127,9 +127,24 @@ class Decoder:
         self.rule = build_rule(pair.target, self.config)
         self.drafter = build_drafter(pair, self.config)
 
-    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 64,
-                 seed: int = 0) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 64, seed: int = 0,
+                 stop: Sequence[str] = ()) -> GenerationResult:
+        """Decode after ``prompt`` (text or token ids); ``stop`` strings end generation after the step
+        that produced them (the caller cuts the text)."""
         ids = self.pair.encode(prompt) if isinstance(prompt, str) else prompt
         return generate(self.pair.target, ids, drafter=self.drafter, rule=self.rule,
                         draft_len=self.config.draft_len, max_new_tokens=max_new_tokens,
-                        sampling=self.sampling, seed=seed, eos_token_ids=self.pair.eos_token_ids)
+                        sampling=self.sampling, seed=seed, eos_token_ids=self.pair.eos_token_ids,
+                        should_stop=StopOnText(self.pair.decode, stop) if stop else None)
+
+
+class StopOnText:
+    """True once the decoded tail of the output contains one of ``stop`` (checked on the last
+    ``window`` tokens, enough for any stop string plus one speculative step)."""
+
+    def __init__(self, decode, stop: Sequence[str], window: int = 48):
+        self.decode, self.stop, self.window = decode, tuple(s for s in stop if s), window
+
+    def __call__(self, output_ids: list[int]) -> bool:
+        tail = self.decode(output_ids[-self.window :])
+        return any(s in tail for s in self.stop)

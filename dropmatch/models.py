@@ -11,7 +11,6 @@ import copy
 import inspect
 import json
 import logging
-import os
 import shutil
 import tempfile
 import warnings
@@ -23,6 +22,8 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
+from .hub import hub_reachable
+from .paths import cache_root
 from .screened_head import ScreenedHead, bf16_matmul_supported
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,6 @@ GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def cache_root() -> Path:
-    """Where converted weights live: ``$DROPMATCH_CACHE``, else ``~/.cache/dropmatch``."""
-    return Path(os.environ.get("DROPMATCH_CACHE", Path.home() / ".cache" / "dropmatch"))
 
 
 class CausalLM:
@@ -238,12 +234,14 @@ def _from_pretrained(loader, name: str, **kwargs):
     if local.exists() and not (local / "config.json").exists():
         raise ModelNotFoundError(f"cannot load {name!r}: the directory {local} holds no loadable model "
                                  f"(no config.json). {_LOCAL_WEIGHTS_HINT}")
-    try:
-        return loader.from_pretrained(name, **kwargs)
+    online, why = (True, "") if local.exists() else hub_reachable()
+    try:  # offline, only the local Hugging Face cache is searched: no slow retries
+        return loader.from_pretrained(name, local_files_only=not online, **kwargs)
     except OSError:
+        where = "could not be fetched from the Hugging Face hub" if online else f"the hub is not reachable ({why})"
         raise ModelNotFoundError(
-            f"cannot load {name!r}: it is not a local directory and could not be fetched from the Hugging "
-            f"Face hub (offline, or no such repository). {_LOCAL_WEIGHTS_HINT}"
+            f"cannot load {name!r}: it is not a local directory, not in the local Hugging Face cache, and "
+            f"{where}. {_LOCAL_WEIGHTS_HINT}"
         ) from None
 
 
@@ -407,7 +405,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 259, hidden_size: int = 6
 
         return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
+                           max_position_embeddings=8192, initializer_range=0.2, tie_word_embeddings=False,
                            bos_token_id=2, eos_token_id=1, pad_token_id=0)
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
@@ -416,7 +414,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 259, hidden_size: int = 6
                                 num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                 sliding_window=8, layer_types=["sliding_attention", "sliding_attention",
                                                                "full_attention"],
-                                max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
+                                max_position_embeddings=8192, initializer_range=0.2, tie_word_embeddings=False,
                                 bos_token_id=2,
                                 eos_token_id=1, pad_token_id=0)
     raise ConfigError(f"unknown tiny architecture {arch!r}; choose llama or gemma3")

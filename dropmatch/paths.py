@@ -16,3 +16,8 @@ def data_dir() -> Path:
         return Path(env).expanduser()
     shared = REPO_ROOT.parent / "shared" / "data"
     return shared if shared.is_dir() else REPO_ROOT / "data"
+
+
+def cache_root() -> Path:
+    """Converted weights and library caches: ``$DROPMATCH_CACHE``, else ``~/.cache/dropmatch``."""
+    return Path(os.environ.get("DROPMATCH_CACHE", Path.home() / ".cache" / "dropmatch"))

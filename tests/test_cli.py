@@ -45,7 +45,7 @@ def test_ngram_drafter_and_prompt_file(tmp_path):
     (["--method", "dropmatch", "--k", "0"], "K"),
     (["--method", "dropmatch", "--p-drop", "1.5"], "p_drop"),
     (["--method", "dropmatch", "--criterion", "vote"], "criterion"),
-    (["--max-new-tokens", "2000"], "context"),
+    (["--max-new-tokens", "9000"], "context"),
     (["--draft", "some/model"], "--target"),
 ])
 def test_bad_input_is_a_clear_error(args, message):

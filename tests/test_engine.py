@@ -126,7 +126,7 @@ def test_same_seed_same_output_different_seeds_differ(tiny):
 
 def test_bad_lengths(tiny):
     with pytest.raises(PromptTooLongError, match="context"):
-        generate(tiny.target, torch.full((1020,), 5), max_new_tokens=10)
+        generate(tiny.target, torch.full((8190,), 5), max_new_tokens=10)
     with pytest.raises(ConfigError, match="empty"):
         generate(tiny.target, [], max_new_tokens=10)
     with pytest.raises(ConfigError, match="draft length"):

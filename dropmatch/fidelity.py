@@ -1,0 +1,79 @@
+"""Fidelity of a lossy method to the target's own greedy output.
+
+For each prompt: whether the whole output equals the target's greedy output, the index of the first
+generated token where they differ, and the target's mean negative log-likelihood (nats per
+generated token, teacher-forced in the model's own precision) of both outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .models import CausalLM
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    exact_match: bool
+    first_divergence: int | None  # index into the generated tokens; None when identical
+    nll: float  # target NLL per token of the method's output
+    greedy_nll: float  # the same for the target's greedy output
+    length: int
+    greedy_length: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def token_nlls(target: CausalLM, prompt_ids: Sequence[int], generated_ids: Sequence[int]) -> torch.Tensor:
+    """Negative log-likelihood (nats) of each of ``generated_ids`` after ``prompt_ids`` under the target, (n,)."""
+    ids = torch.tensor([*prompt_ids, *generated_ids], device=target.device)
+    with torch.inference_mode():
+        _, hidden = target.new_cache(rollback=False, prompt_ids=ids)
+        logits = target.head(hidden[len(prompt_ids) - 1 : -1])  # row i predicts generated token i
+        logp = torch.log_softmax(logits, dim=-1)
+        picked = logp.gather(-1, torch.tensor(list(generated_ids), device=logp.device).view(-1, 1))
+    return -picked.squeeze(-1).cpu()
+
+
+def target_nll(target: CausalLM, prompt_ids: Sequence[int], generated_ids: Sequence[int]) -> float:
+    """Mean negative log-likelihood (nats/token) of ``generated_ids`` after ``prompt_ids`` under the target."""
+    if not generated_ids:
+        return float("nan")
+    return float(token_nlls(target, prompt_ids, generated_ids).mean())
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_to_greedy(target: CausalLM, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                      greedy_ids: Sequence[int]) -> Fidelity:
+    output_ids, greedy_ids = list(output_ids), list(greedy_ids)
+    return Fidelity(
+        exact_match=output_ids == greedy_ids,
+        first_divergence=first_divergence(output_ids, greedy_ids),
+        nll=target_nll(target, prompt_ids, output_ids),
+        greedy_nll=target_nll(target, prompt_ids, greedy_ids),
+        length=len(output_ids),
+        greedy_length=len(greedy_ids),
+    )
+
+
+def summarize_fidelity(items: Sequence[Fidelity]) -> dict:
+    """Exact-match rate, mean first divergence (over diverging outputs) and mean NLLs."""
+    n = len(items)
+    diverging = [f.first_divergence for f in items if f.first_divergence is not None]
+    return {
+        "prompts": n,
+        "exact_match_rate": sum(f.exact_match for f in items) / n if n else float("nan"),
+        "mean_first_divergence": sum(diverging) / len(diverging) if diverging else None,
+        "nll": sum(f.nll for f in items) / n if n else float("nan"),
+        "greedy_nll": sum(f.greedy_nll for f in items) / n if n else float("nan"),
+    }

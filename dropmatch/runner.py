@@ -1,0 +1,161 @@
+"""Run a decoding method over a benchmark and write one JSON line per example, resumably.
+
+    python -m dropmatch run --task gsm8k --method dropmatch --k 5 --p-drop 0.3 --limit 20 --out results/x.jsonl
+
+Each line holds the example id, the output, its task score, the generation statistics, the seed and
+the configuration (and, with ``--fidelity``, the comparison with the target's greedy output). Lines
+are flushed and fsynced one by one; on start the file is read back, a torn last line (the process was
+killed mid-write) is cut off, and examples already done are skipped, so an interrupted run, even by
+kill -9, resumes without losing or duplicating an example. ``<out>.env.json`` records the
+environment of the first run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .errors import ConfigError
+from .fidelity import compare_to_greedy
+from .methods import Decoder, MethodConfig
+from .provenance import environment_record
+from .sampling import SamplingConfig
+from .stats import GenerationStats
+from .tasks import Example, chat_prompt, cut_output, generation_defaults, load_task, score
+
+
+def read_results(path: Path) -> list[dict]:
+    """Records already in ``path``; a torn last line is removed from the file."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    records, good_end = [], 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+        good_end += len(line)
+    if good_end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(good_end)
+    return records
+
+
+def append_result(path: Path, record: dict) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
+    """One statistics object for several generations (the turns of a chat example)."""
+    total = GenerationStats()
+    for s in parts:
+        for name in ("new_tokens", "target_calls", "target_tokens", "extra_accepts", "criterion_evaluations"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        for name in ("prefill_s", "draft_s", "verify_s", "wall_s"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        total.accepted_per_step += s.accepted_per_step
+        total.drafted_per_step += s.drafted_per_step
+    return total
+
+
+class TaskRunner:
+    """Decodes the examples of a task with one method, and with the target's greedy reference
+    when fidelity is asked for (greedy speculative decoding: identical output, faster)."""
+
+    def __init__(self, decoder: Decoder, task: str, *, max_new_tokens: int | None = None, seed: int = 0,
+                 fidelity: bool = False, chat_template: bool = False):
+        self.decoder, self.task, self.seed = decoder, task, seed
+        defaults = generation_defaults(task)
+        self.stop = defaults.stop
+        self.max_new_tokens = max_new_tokens or defaults.max_new_tokens
+        self.chat_template = chat_template
+        self.reference = None
+        if fidelity:
+            config = MethodConfig("sd" if decoder.pair.draft is not None else "ar",
+                                  draft_len=decoder.config.draft_len)
+            self.reference = Decoder(decoder.pair, config, SamplingConfig())
+
+    def _turns(self, decoder: Decoder, example: Example) -> tuple[list[str], list[list[int]], list, list[str]]:
+        """Prompts, output ids, stats and cut texts of each turn (one turn for single-prompt tasks)."""
+        prompts, outputs, stats, texts = [], [], [], []
+        n_turns = len(example.turns) if example.turns else 1
+        for turn in range(n_turns):
+            if example.turns:
+                prompt = chat_prompt(example.turns, texts, tokenizer=decoder.pair.tokenizer,
+                                     use_chat_template=self.chat_template)
+            else:
+                prompt = example.prompt
+            result = decoder.generate(prompt, max_new_tokens=self.max_new_tokens, seed=self.seed + turn,
+                                      stop=self.stop)
+            prompts.append(prompt)
+            outputs.append(result.token_ids)
+            stats.append(result.stats)
+            texts.append(cut_output(self.task, decoder.pair.decode(result.token_ids)))
+        return prompts, outputs, stats, texts
+
+    def run_example(self, example: Example) -> dict:
+        prompts, outputs, stats, texts = self._turns(self.decoder, example)
+        record = {
+            "id": example.id, "task": self.task, "method": self.decoder.config.label,
+            "output": texts if example.turns else texts[0],
+            "score": score(example, texts[-1]) if not example.turns else score(example, "\n".join(texts)),
+            "stats": merge_stats(stats).to_dict(), "seed": self.seed,
+            "config": self.decoder.config.to_dict(), "sampling": asdict(self.decoder.sampling),
+            "max_new_tokens": self.max_new_tokens,
+        }
+        if self.reference is not None:
+            _, greedy, _, _ = self._turns(self.reference, example)
+            pair = self.decoder.pair
+            per_turn = [compare_to_greedy(pair.target, pair.encode(p), out, ref).to_dict()
+                        for p, out, ref in zip(prompts, outputs, greedy, strict=True)]
+            record["fidelity"] = {
+                "exact_match": all(f["exact_match"] for f in per_turn),
+                "first_divergence": per_turn[0]["first_divergence"],
+                "nll": sum(f["nll"] for f in per_turn) / len(per_turn),
+                "greedy_nll": sum(f["greedy_nll"] for f in per_turn) / len(per_turn),
+                "turns": per_turn,
+            }
+        return record
+
+
+def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None = None, seed: int = 0,
+             max_new_tokens: int | None = None, fidelity: bool = False, chat_template: bool = False,
+             data_dir: str | Path | None = None, progress: bool = True) -> list[dict]:
+    """Decode ``task`` into ``out`` (JSON lines), resuming what is already there. Returns all records."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    examples = load_task(task, data_dir=data_dir, limit=limit)
+    done = read_results(out)
+    label = decoder.config.label
+    for record in done:
+        if record.get("method") != label or record.get("task") != task or record.get("seed") != seed:
+            raise ConfigError(
+                f"{out} already holds results of another run ({record.get('task')}, {record.get('method')}, "
+                f"seed {record.get('seed')}); this run is {task}, {label}, seed {seed}. Use another --out."
+            )
+    env_path = out.with_suffix(out.suffix + ".env.json")
+    if not env_path.exists():
+        env_path.write_text(json.dumps(environment_record(decoder.pair.target.device), indent=1))
+    finished = {r["id"] for r in done}
+    todo = [e for e in examples if e.id not in finished]
+    runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
+                        chat_template=chat_template)
+    bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"{task} {label}", disable=not progress)
+    for example in todo:
+        record = runner.run_example(example)
+        append_result(out, record)
+        done.append(record)
+        bar.update(1)
+    bar.close()
+    return done

@@ -1,0 +1,72 @@
+"""One table over result files: ``python -m dropmatch summarize results/*.jsonl [--baseline sd]``.
+
+Per task and method: examples, tau (total new tokens over total target calls), mean tokens/s over
+examples, speedup = ratio of mean tokens/s to the baseline run of the same task (as Spec-Bench does),
+each task score with a bootstrap 95 % interval, and fidelity to the target's greedy output
+(exact-match rate, target NLL per token of the output and of the greedy output) where recorded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .runner import read_results
+
+PRIMARY_SCORE = {"gsm8k": "exact_match", "mmlu": "accuracy", "humaneval": "pass@1", "ifeval": "prompt_level_strict",
+                 "klue_nli": "accuracy", "mt_bench": "output_chars", "komt_bench": "output_chars",
+                 "kullm": "output_chars"}
+
+
+def bootstrap_ci(values: Sequence[float], n_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile bootstrap interval of the mean."""
+    values = np.asarray(values, dtype=float)
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), size=(n_resamples, len(values)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dict]:
+    """Rows (dicts) of the summary table; ``baseline`` names a method label or its prefix."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["task"], r["method"])].append(r)
+    rows = []
+    for (task, method), rs in sorted(groups.items()):
+        tokens = sum(r["stats"]["new_tokens"] for r in rs)
+        calls = sum(r["stats"]["target_calls"] for r in rs)
+        key = PRIMARY_SCORE.get(task)
+        scores = [r["score"][key] for r in rs if key in r["score"]]
+        low, high = bootstrap_ci(scores)
+        row = {"task": task, "method": method, "n": len(rs), "tau": tokens / calls if calls else float("nan"),
+               "tokens/s": float(np.mean([r["stats"]["tokens_per_s"] for r in rs])),
+               "score": key, "mean": float(np.mean(scores)) if scores else float("nan"),
+               "ci95": f"[{low:.3f}, {high:.3f}]"}
+        fids = [r["fidelity"] for r in rs if r.get("fidelity")]
+        if fids:
+            row["exact_match_rate"] = float(np.mean([f["exact_match"] for f in fids]))
+            row["nll"] = float(np.mean([f["nll"] for f in fids]))
+            row["greedy_nll"] = float(np.mean([f["greedy_nll"] for f in fids]))
+        rows.append(row)
+    for row in rows:
+        base = [b for b in rows if b["task"] == row["task"] and _is_baseline(b["method"], baseline)]
+        row["speedup"] = row["tokens/s"] / base[0]["tokens/s"] if base else float("nan")
+    return rows
+
+
+def _is_baseline(method: str, baseline: str) -> bool:
+    return method == baseline or method.startswith(baseline + "@") or method.startswith(baseline + "(")
+
+
+COLUMNS = ["task", "method", "n", "tau", "tokens/s", "speedup", "score", "mean", "ci95", "exact_match_rate",
+           "nll", "greedy_nll"]
+
+
+def summarize_files(paths: Sequence[str | Path], baseline: str = "sd") -> list[dict]:
+    records = [r for p in paths for r in read_results(Path(p))]
+    return summarize_records(records, baseline)

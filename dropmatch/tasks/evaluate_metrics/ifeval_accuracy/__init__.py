@@ -1,0 +1,1 @@
+"""The `ifeval_accuracy` evaluate metric (the script beside this file)."""

@@ -1,0 +1,1 @@
+"""The `klue_nli_accuracy` evaluate metric (the script beside this file)."""

@@ -1,0 +1,1 @@
+"""The `mmlu_accuracy` evaluate metric (the script beside this file)."""

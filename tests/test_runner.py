@@ -1,0 +1,85 @@
+"""The benchmark runner: resumable JSON lines, environment records, the summary table."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dropmatch.errors import ConfigError
+from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.paths import data_dir
+from dropmatch.runner import read_results, run_task
+from dropmatch.summarize import bootstrap_ci, summarize_files
+
+pytestmark = pytest.mark.skipif(not (data_dir() / "mmlu").is_dir(), reason="benchmark data directory not found")
+
+RUN = ["run", "--pair", "tiny", "--task", "klue_nli", "--method", "dropmatch", "--limit", "8",
+       "--max-new-tokens", "6", "--fidelity"]
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dropmatch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _lines(path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_killed_run_resumes_to_the_same_results(tmp_path):
+    whole, killed = tmp_path / "whole.jsonl", tmp_path / "killed.jsonl"
+    assert _cli(*RUN, "--out", str(whole)).wait(timeout=600) == 0
+    proc = _cli(*RUN, "--out", str(killed))
+    deadline = time.time() + 300
+    while _lines(killed) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 2 <= _lines(killed) < 8
+    with killed.open("a") as f:  # a torn line, as if killed mid-write
+        f.write('{"id": "klue-nli-v1_dev_0000')
+    assert _cli(*RUN, "--out", str(killed)).wait(timeout=600) == 0
+    a, b = read_results(whole), read_results(killed)
+    assert [r["id"] for r in b] == [r["id"] for r in a]  # same examples, same order, no duplicates
+    for x, y in zip(a, b, strict=True):
+        assert (x["output"], x["score"], x["fidelity"]["exact_match"]) == (y["output"], y["score"],
+                                                                          y["fidelity"]["exact_match"])
+        assert x["stats"]["accepted_per_step"] == y["stats"]["accepted_per_step"]
+    env = json.loads((tmp_path / "killed.jsonl.env.json").read_text())
+    assert {"packages", "device", "threads", "git_revision"} <= set(env)
+
+
+def test_other_configuration_is_refused(tiny, tmp_path):
+    out = tmp_path / "r.jsonl"
+    run_task(Decoder(tiny, MethodConfig("sd")), "klue_nli", out, limit=1, max_new_tokens=4, progress=False)
+    with pytest.raises(ConfigError, match="another run"):
+        run_task(Decoder(tiny, MethodConfig("dropmatch")), "klue_nli", out, limit=2, max_new_tokens=4,
+                 progress=False)
+
+
+def test_chat_task_two_turns_and_summary(tiny, tmp_path):
+    sd, dm = tmp_path / "sd.jsonl", tmp_path / "dm.jsonl"
+    run_task(Decoder(tiny, MethodConfig("sd")), "mt_bench", sd, limit=2, max_new_tokens=8, progress=False)
+    records = run_task(Decoder(tiny, MethodConfig("dropmatch")), "mt_bench", dm, limit=2, max_new_tokens=8,
+                       fidelity=True, progress=False)
+    assert len(records) == 2 and all(len(r["output"]) == 2 for r in records)
+    assert all(len(r["fidelity"]["turns"]) == 2 for r in records)
+    rows = summarize_files([sd, dm])
+    by_method = {r["method"].split("(")[0].split("@")[0]: r for r in rows}
+    assert by_method["sd"]["speedup"] == 1.0
+    assert by_method["dropmatch"]["n"] == 2 and "exact_match_rate" in by_method["dropmatch"]
+    out = subprocess.run([sys.executable, "-m", "dropmatch", "summarize", str(sd), str(dm)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "| mt_bench |" in out.stdout
+
+
+def test_bootstrap_interval():
+    low, high = bootstrap_ci([0, 1] * 50)
+    assert low < 0.5 < high and high - low < 0.25
+    assert bootstrap_ci([1.0] * 10) == (1.0, 1.0)
