@@ -48,6 +48,10 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     rv.add_argument("--typical-delta", type=float, default=d.typical_delta)
     rv.add_argument("--divergence", default=d.divergence, help="js or kl")
     rv.add_argument("--divergence-threshold", type=float, default=d.divergence_threshold)
+    jg = parser.add_argument_group("trained judge (--method judge|judge+dropmatch)")
+    jg.add_argument("--judge", dest="judge_path", help="judge file from `python -m dropmatch judge train`")
+    jg.add_argument("--judge-threshold", type=float, default=d.judge_threshold,
+                    help="accept when P(important) is below this")
     parser.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest n-gram for --draft ngram")
 
 
@@ -58,6 +62,7 @@ def method_config(args: argparse.Namespace) -> MethodConfig:
         head_dtype=args.head_dtype, topk=args.topk, typical_eps=args.typical_eps,
         typical_delta=args.typical_delta, divergence=args.divergence,
         divergence_threshold=args.divergence_threshold, ngram_max=args.ngram_max,
+        judge_path=args.judge_path, judge_threshold=args.judge_threshold,
     )
 
 
@@ -153,6 +158,31 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_judge_mine(args: argparse.Namespace) -> int:
+    from .judge import mine
+    from .tasks import generation_defaults, load_gsm8k_train
+    from .tasks.metrics import extract_gsm8k_answer
+
+    pair = load_pair(args.pair, device=args.device)
+    problems = [(e.id, e.prompt) for e in load_gsm8k_train(limit=args.problems, data_dir=args.data_dir)]
+    mined = mine(pair, problems, args.out, answer=extract_gsm8k_answer, stop=generation_defaults("gsm8k").stop,
+                 max_new_tokens=args.max_new_tokens, max_mismatches=args.max_mismatches)
+    log.info("%d mismatches (%d important) from %d problems in %s", len(mined), sum(m.important for m in mined),
+             len(problems), args.out)
+    return 0
+
+
+def cmd_judge_train(args: argparse.Namespace) -> int:
+    from .judge import Mismatch, train_judge
+    from .runner import read_results
+
+    mismatches = [Mismatch(**m) for path in args.mined for r in read_results(Path(path)) for m in r["mismatches"]]
+    judge = train_judge(mismatches, seed=args.seed)
+    judge.save(args.out)
+    print(json.dumps(judge.info))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dropmatch", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -190,6 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
     summ.add_argument("--baseline", default="sd", help="method label (or prefix) the speedup is relative to")
     summ.add_argument("--json", action="store_true")
     summ.set_defaults(func=cmd_summarize)
+    judge = sub.add_parser("judge", help="the trained-judge baseline: mine labels, train")
+    judge_sub = judge.add_subparsers(dest="judge_command", required=True)
+    mine_p = judge_sub.add_parser("mine", help="label draft/target mismatches on GSM8K train (resumable)")
+    mine_p.add_argument("--pair", default=GEMMA_PAIR)
+    mine_p.add_argument("--device")
+    mine_p.add_argument("--problems", type=int, default=24, help="number of GSM8K train problems")
+    mine_p.add_argument("--max-mismatches", type=int, default=6, help="labelled mismatches per problem")
+    mine_p.add_argument("--max-new-tokens", type=int, default=160)
+    mine_p.add_argument("--data-dir")
+    mine_p.add_argument("--out", required=True, help="JSON lines, one problem per line")
+    mine_p.set_defaults(func=cmd_judge_mine)
+    train_p = judge_sub.add_parser("train", help="fit scaler + logistic regression, C by validation ROC-AUC")
+    train_p.add_argument("--mined", nargs="+", required=True)
+    train_p.add_argument("--out", required=True, help="judge file (joblib)")
+    train_p.add_argument("--seed", type=int, default=0)
+    train_p.set_defaults(func=cmd_judge_train)
     return parser
 
 

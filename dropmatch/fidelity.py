@@ -54,13 +54,16 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def compare_to_greedy(target: CausalLM, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                      greedy_ids: Sequence[int]) -> Fidelity:
+                      greedy_ids: Sequence[int], greedy_nll: float | None = None) -> Fidelity:
+    """Fidelity of ``output_ids`` to ``greedy_ids`` (``greedy_nll``: the latter's NLL, if known)."""
     output_ids, greedy_ids = list(output_ids), list(greedy_ids)
+    if greedy_nll is None:
+        greedy_nll = target_nll(target, prompt_ids, greedy_ids)
     return Fidelity(
         exact_match=output_ids == greedy_ids,
         first_divergence=first_divergence(output_ids, greedy_ids),
-        nll=target_nll(target, prompt_ids, output_ids),
-        greedy_nll=target_nll(target, prompt_ids, greedy_ids),
+        nll=greedy_nll if output_ids == greedy_ids else target_nll(target, prompt_ids, output_ids),
+        greedy_nll=greedy_nll,
         length=len(output_ids),
         greedy_length=len(greedy_ids),
     )

@@ -17,7 +17,7 @@ from .models import CausalLM, ModelPair, _dtype
 from .sampling import SamplingConfig
 from .verification import Criterion, RelaxedVerification, StandardVerification, VerificationRule
 
-METHODS = ("ar", "sd", "dropmatch", "topk", "typical", "divergence")
+METHODS = ("ar", "sd", "dropmatch", "topk", "typical", "divergence", "judge", "judge+dropmatch")
 DRAFTERS = ("model", "ngram")
 
 
@@ -41,6 +41,9 @@ class MethodConfig:
     typical_delta: float = 0.3
     divergence: str = "js"
     divergence_threshold: float = 0.1
+    # trained judge (AutoJudge-style)
+    judge_path: str | None = None
+    judge_threshold: float = 0.1
     # n-gram drafter
     ngram_max: int = 3
     extra: dict = field(default_factory=dict)
@@ -52,7 +55,9 @@ class MethodConfig:
             raise ConfigError(f"unknown drafter {self.draft!r}; choose model or ngram")
         if self.draft_len < 1:
             raise ConfigError(f"draft length must be >= 1, got {self.draft_len}")
-        if self.method == "dropmatch":
+        if self.method.startswith("judge") and not self.judge_path:
+            raise ConfigError("--method judge needs --judge PATH (train one with `python -m dropmatch judge train`)")
+        if "dropmatch" in self.method:
             check_dropout_args(self.k, self.p_drop)
             if self.criterion not in CRITERIA:
                 raise ConfigError(f"unknown DropMatch criterion {self.criterion!r}; choose one of {', '.join(CRITERIA)}")
@@ -68,10 +73,12 @@ class MethodConfig:
         """Short human-readable name, e.g. ``dropmatch(js+majority,K=5,p=0.3)``."""
         if self.method == "ar":
             return "ar"
+        dropmatch = f"{self.criterion},K={self.k},p={self.p_drop:g}"
         base = {"sd": "sd", "topk": f"topk(K={self.topk})",
                 "typical": f"typical(eps={self.typical_eps:g},delta={self.typical_delta:g})",
                 "divergence": f"divergence({self.divergence}<={self.divergence_threshold:g})",
-                "dropmatch": f"dropmatch({self.criterion},K={self.k},p={self.p_drop:g})"}[self.method]
+                "dropmatch": f"dropmatch({dropmatch})", "judge": f"judge(t={self.judge_threshold:g})",
+                "judge+dropmatch": f"judge+dropmatch(t={self.judge_threshold:g},{dropmatch})"}[self.method]
         draft = "" if self.draft == "model" else "+ngram"
         return f"{base}{draft}@L{self.draft_len}"
 
@@ -80,6 +87,13 @@ class MethodConfig:
 
 
 def build_criterion(target: CausalLM, config: MethodConfig) -> Criterion | None:
+    if config.method.startswith("judge"):
+        from .judge import AnyOf, Judge, JudgeCriterion
+
+        judge = JudgeCriterion(Judge.load(config.judge_path), config.judge_threshold)
+        if config.method == "judge":
+            return judge
+        return AnyOf([judge, build_criterion(target, MethodConfig(**{**config.to_dict(), "method": "dropmatch"}))])
     if config.method == "dropmatch":
         dtype = _dtype(config.head_dtype, target.device) if config.head_dtype else None
         if dtype is None:

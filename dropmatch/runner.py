@@ -12,6 +12,7 @@ environment of the first run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .errors import ConfigError
-from .fidelity import compare_to_greedy
+from .fidelity import compare_to_greedy, target_nll
 from .methods import Decoder, MethodConfig
 from .provenance import environment_record
 from .sampling import SamplingConfig
@@ -69,22 +70,51 @@ def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
     return total
 
 
+class GreedyReference:
+    """The target's greedy output for a prompt (decoded by lossless greedy SD: identical, faster),
+    optionally cached in a JSON-lines file shared by every run that compares against it."""
+
+    def __init__(self, pair, stop: Sequence[str], max_new_tokens: int, cache: str | Path | None = None):
+        config = MethodConfig("sd" if pair.draft is not None else "ar")
+        self.decoder = Decoder(pair, config, SamplingConfig())
+        self.stop, self.max_new_tokens = tuple(stop), max_new_tokens
+        self.cache = Path(cache) if cache else None
+        self._known = {r["key"]: r for r in read_results(self.cache)} if self.cache else {}
+
+    def key(self, prompt: str) -> str:
+        digest = hashlib.sha1(f"{self.max_new_tokens}|{self.stop}|{prompt}".encode()).hexdigest()
+        return digest[:20]
+
+    def __call__(self, prompt: str) -> list[int]:
+        return self.lookup(prompt)["token_ids"]
+
+    def lookup(self, prompt: str) -> dict:
+        """``{"token_ids": greedy output, "nll": its target NLL per token}`` for ``prompt``."""
+        key = self.key(prompt)
+        if key not in self._known:
+            ids = self.decoder.generate(prompt, max_new_tokens=self.max_new_tokens, stop=self.stop).token_ids
+            record = {"key": key, "token_ids": ids,
+                      "nll": target_nll(self.decoder.pair.target, self.decoder.pair.encode(prompt), ids)}
+            self._known[key] = record
+            if self.cache:
+                self.cache.parent.mkdir(parents=True, exist_ok=True)
+                append_result(self.cache, record)
+        return self._known[key]
+
+
 class TaskRunner:
-    """Decodes the examples of a task with one method, and with the target's greedy reference
-    when fidelity is asked for (greedy speculative decoding: identical output, faster)."""
+    """Decodes the examples of a task with one method; with ``fidelity``, compares every turn with
+    the target's greedy output on the same prompt (``reference_cache``: share those across runs)."""
 
     def __init__(self, decoder: Decoder, task: str, *, max_new_tokens: int | None = None, seed: int = 0,
-                 fidelity: bool = False, chat_template: bool = False):
+                 fidelity: bool = False, chat_template: bool = False, reference_cache: str | Path | None = None):
         self.decoder, self.task, self.seed = decoder, task, seed
         defaults = generation_defaults(task)
         self.stop = defaults.stop
         self.max_new_tokens = max_new_tokens or defaults.max_new_tokens
         self.chat_template = chat_template
-        self.reference = None
-        if fidelity:
-            config = MethodConfig("sd" if decoder.pair.draft is not None else "ar",
-                                  draft_len=decoder.config.draft_len)
-            self.reference = Decoder(decoder.pair, config, SamplingConfig())
+        self.reference = (GreedyReference(decoder.pair, self.stop, self.max_new_tokens, reference_cache)
+                          if fidelity else None)
 
     def _turns(self, decoder: Decoder, example: Example) -> tuple[list[str], list[list[int]], list, list[str]]:
         """Prompts, output ids, stats and cut texts of each turn (one turn for single-prompt tasks)."""
@@ -115,9 +145,9 @@ class TaskRunner:
             "max_new_tokens": self.max_new_tokens,
         }
         if self.reference is not None:
-            _, greedy, _, _ = self._turns(self.reference, example)
+            greedy = [self.reference.lookup(p) for p in prompts]
             pair = self.decoder.pair
-            per_turn = [compare_to_greedy(pair.target, pair.encode(p), out, ref).to_dict()
+            per_turn = [compare_to_greedy(pair.target, pair.encode(p), out, ref["token_ids"], ref["nll"]).to_dict()
                         for p, out, ref in zip(prompts, outputs, greedy, strict=True)]
             record["fidelity"] = {
                 "exact_match": all(f["exact_match"] for f in per_turn),
@@ -131,7 +161,8 @@ class TaskRunner:
 
 def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None = None, seed: int = 0,
              max_new_tokens: int | None = None, fidelity: bool = False, chat_template: bool = False,
-             data_dir: str | Path | None = None, progress: bool = True) -> list[dict]:
+             data_dir: str | Path | None = None, progress: bool = True,
+             reference_cache: str | Path | None = None) -> list[dict]:
     """Decode ``task`` into ``out`` (JSON lines), resuming what is already there. Returns all records."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +181,7 @@ def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None 
     finished = {r["id"] for r in done}
     todo = [e for e in examples if e.id not in finished]
     runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
-                        chat_template=chat_template)
+                        chat_template=chat_template, reference_cache=reference_cache)
     bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"{task} {label}", disable=not progress)
     for example in todo:
         record = runner.run_example(example)

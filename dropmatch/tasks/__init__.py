@@ -8,7 +8,7 @@ It knows nothing about decoding: it turns benchmark files into prompts and score
     aggregate(results)  # {"exact_match": ...}
 """
 
-from .data import TASKS, Example, load_task
+from .data import TASKS, Example, load_gsm8k_train, load_task
 from .metrics import aggregate, cut_output, score
 from .prompts import GenerationDefaults, chat_prompt, generation_defaults, truncate_at_stop
 from .sandbox import Limits, SandboxResult, run_python
@@ -23,6 +23,7 @@ __all__ = [
     "chat_prompt",
     "cut_output",
     "generation_defaults",
+    "load_gsm8k_train",
     "load_task",
     "run_python",
     "score",

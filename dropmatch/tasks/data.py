@@ -96,6 +96,17 @@ def _gsm8k(root: Path) -> list[Example]:
     return out
 
 
+def load_gsm8k_train(limit: int | None = None, data_dir: str | Path | None = None) -> list[Example]:
+    """GSM8K train problems in the test prompt format (for mining a judge), after the 8 exemplars."""
+    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    train = _records("gsm8k_train", root)
+    shots = [(r["question"], r["answer"]) for r in train[:GSM8K_SHOTS]]
+    rows = train[GSM8K_SHOTS:] if limit is None else train[GSM8K_SHOTS : GSM8K_SHOTS + limit]
+    return [Example(f"gsm8k_train/{GSM8K_SHOTS + i}", "gsm8k", prompts.gsm8k_prompt(r["question"], shots), None,
+                    r["answer"].split("####")[-1].strip(), {"question": r["question"], "solution": r["answer"]})
+            for i, r in enumerate(rows)]
+
+
 def _mmlu(root: Path) -> list[Example]:
     test, dev = _records("mmlu", root), _records("mmlu_dev", root)
     missing = sorted(set(test) - set(dev))

@@ -1,0 +1,238 @@
+"""An AutoJudge-style trained judge (Garipov et al., 2025) on the embedded pair.
+
+Mining (``mine``), on GSM8K train problems: decode the target's greedy answer; find the positions
+where the draft's argmax (teacher-forced on that answer) differs; at each, substitute the draft token
+and let the target regenerate greedily. If the final answer is unchanged the mismatch is
+*unimportant* and the swapped sequence becomes the new reference; otherwise it is *important*.
+Mining continues from the next position. Features are the target's last hidden state at the
+mismatch (the state that scores the token in verification; AutoJudge's target-only setup).
+
+Training (``train_judge``): ``StandardScaler`` + ``LogisticRegression``, C chosen by validation
+ROC-AUC, refit on everything. The judge is saved with joblib and loaded by path.
+
+As a rule (:class:`JudgeCriterion`): accept a draft token that exact match rejects when the judge's
+probability of "important" is below a threshold. Threshold 0 is exact match.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .engine import generate
+from .errors import ConfigError
+from .methods import Decoder, MethodConfig, StopOnText
+from .models import ModelPair
+from .verification import PositionTest, VerifyInput
+
+
+@dataclass
+class Mismatch:
+    """One mined draft/target disagreement."""
+
+    problem: str
+    position: int  # index in the generated answer
+    target_token: int
+    draft_token: int
+    important: bool
+    features: list[float] = field(repr=False)
+
+
+def _stop_index(decode: Callable[[Sequence[int]], str], ids: list[int], stop: Sequence[str]) -> int:
+    """Number of leading tokens before the first stop string appears in the decoded text."""
+    if not stop or not any(s in decode(ids) for s in stop):
+        return len(ids)
+    low, high = 0, len(ids)  # decode(ids[:high]) contains a stop string, decode(ids[:low]) does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if any(s in decode(ids[:mid]) for s in stop):
+            high = mid
+        else:
+            low = mid
+    return low
+
+
+class Miner:
+    """Mines one problem at a time; see the module docstring.
+
+    Args:
+        pair: target and draft.
+        answer: final answer from generated text (GSM8K: the last number after ``####``).
+        stop: stop strings of the task.
+        max_new_tokens: budget of the greedy answer and of every regeneration.
+        max_mismatches: mismatches labelled per problem (bounds the cost: one regeneration each).
+    """
+
+    def __init__(self, pair: ModelPair, answer: Callable[[str], str | None], stop: Sequence[str] = (),
+                 max_new_tokens: int = 160, max_mismatches: int = 6, draft_len: int = 5):
+        if pair.draft is None:
+            raise ConfigError("mining needs a draft model")
+        self.pair, self.answer, self.stop = pair, answer, tuple(stop)
+        self.max_new_tokens, self.max_mismatches = max_new_tokens, max_mismatches
+        self.greedy = Decoder(pair, MethodConfig("sd", draft_len=draft_len))  # lossless: the target's greedy output
+
+    def _continue(self, ids: list[int], budget: int) -> list[int]:
+        if budget <= 0:
+            return []
+        should_stop = StopOnText(self.pair.decode, self.stop) if self.stop else None
+        out = generate(self.pair.target, ids, drafter=self.greedy.drafter, rule=self.greedy.rule,
+                       draft_len=self.greedy.config.draft_len, max_new_tokens=budget,
+                       eos_token_ids=self.pair.eos_token_ids, should_stop=should_stop)
+        return out.token_ids
+
+    def _final(self, answer_ids: list[int]) -> str | None:
+        return self.answer(self.pair.decode(answer_ids[: _stop_index(self.pair.decode, answer_ids, self.stop)]))
+
+    def _teacher_forced(self, prompt: list[int], answer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft argmax (n,) and target hidden states (n, d) at the positions scoring ``answer_ids``."""
+        ids = torch.tensor([prompt + answer_ids], device=self.pair.target.device)
+        rows = slice(len(prompt) - 1, len(prompt) - 1 + len(answer_ids))
+        with torch.inference_mode():
+            draft_logits = self.pair.draft.model(ids).logits[0, rows, : self.pair.draft.vocab_size]
+            hidden = self.pair.target.trunk(input_ids=ids).last_hidden_state[0, rows]
+        return draft_logits.argmax(-1).cpu(), hidden.float().cpu()
+
+    def mine(self, problem_id: str, prompt: list[int]) -> list[Mismatch]:
+        reference = self._continue(prompt, self.max_new_tokens)
+        final = self._final(reference)
+        found: list[Mismatch] = []
+        position = 0
+        while len(found) < self.max_mismatches:
+            valid = _stop_index(self.pair.decode, reference, self.stop)
+            draft_argmax, hidden = self._teacher_forced(prompt, reference)
+            disagree = [i for i in range(position, valid) if int(draft_argmax[i]) != reference[i]]
+            if not disagree:
+                break
+            i = disagree[0]
+            swapped = reference[:i] + [int(draft_argmax[i])]
+            swapped += self._continue(prompt + swapped, self.max_new_tokens - len(swapped))
+            important = self._final(swapped) != final
+            found.append(Mismatch(problem_id, i, reference[i], int(draft_argmax[i]), important, hidden[i].tolist()))
+            if not important:
+                reference = swapped
+            position = i + 1
+        return found
+
+
+def mine(pair: ModelPair, problems: Sequence[tuple[str, str]], out: str | Path, *,
+         answer: Callable[[str], str | None], stop: Sequence[str] = (), max_new_tokens: int = 160,
+         max_mismatches: int = 6, progress: bool = True) -> list[Mismatch]:
+    """Mine ``problems`` (id, prompt text) into ``out`` (JSON lines, one problem per line), resumably."""
+    from .runner import append_result, read_results
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["problem"]: r for r in read_results(out)}
+    miner = Miner(pair, answer, stop, max_new_tokens, max_mismatches)
+    todo = [(pid, text) for pid, text in problems if pid not in done]
+    for pid, text in tqdm(todo, desc="mining", disable=not progress, initial=len(problems) - len(todo),
+                          total=len(problems)):
+        mismatches = miner.mine(pid, pair.encode(text))
+        record = {"problem": pid, "mismatches": [asdict(m) for m in mismatches]}
+        append_result(out, record)
+        done[pid] = record
+    return [Mismatch(**m) for pid, _ in problems for m in done[pid]["mismatches"]]
+
+
+# --------------------------------------------------------------------------------------------
+# The classifier
+
+
+class Judge:
+    """A fitted scaler + logistic regression on target hidden states; ``p_important(h)``."""
+
+    def __init__(self, pipeline, info: dict):
+        self.pipeline, self.info = pipeline, info
+
+    def p_important(self, hidden: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Probability (n,) that each mismatch, with target hidden states (n, d), is important."""
+        x = hidden.float().cpu().numpy() if torch.is_tensor(hidden) else np.asarray(hidden, dtype=np.float32)
+        return self.pipeline.predict_proba(x)[:, 1]
+
+    def save(self, path: str | Path) -> None:
+        import joblib
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        joblib.dump({"pipeline": self.pipeline, "info": self.info}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Judge:
+        import joblib
+
+        if not Path(path).exists():
+            raise ConfigError(f"no judge file at {path}; train one with `python -m dropmatch judge train`")
+        blob = joblib.load(path)
+        return cls(blob["pipeline"], blob["info"])
+
+
+def train_judge(mismatches: Sequence[Mismatch], Cs: Sequence[float] = (0.001, 0.01, 0.1, 1.0, 10.0),
+                val_fraction: float = 0.25, seed: int = 0) -> Judge:
+    """Fit the judge; C is chosen by ROC-AUC on a stratified validation split."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+    from sklearn.model_selection import train_test_split
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    x = np.asarray([m.features for m in mismatches], dtype=np.float32)
+    y = np.asarray([m.important for m in mismatches], dtype=int)
+    if len(set(y.tolist())) < 2 or min(np.bincount(y)) < 2:
+        raise ConfigError(f"need at least 2 important and 2 unimportant mismatches to train, got "
+                          f"{int(y.sum())} and {int(len(y) - y.sum())}; mine more problems")
+
+    def model(c: float):
+        return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=5000))
+
+    x_fit, x_val, y_fit, y_val = train_test_split(x, y, test_size=val_fraction, stratify=y, random_state=seed)
+    aucs = {c: float(roc_auc_score(y_val, model(c).fit(x_fit, y_fit).predict_proba(x_val)[:, 1])) for c in Cs}
+    best = max(aucs, key=aucs.get)
+    info = {"C": best, "val_auc": aucs[best], "val_auc_by_C": aucs, "n": len(y), "important": int(y.sum()),
+            "features": "target last hidden state", "dim": int(x.shape[1])}
+    return Judge(model(best).fit(x, y), info)
+
+
+# --------------------------------------------------------------------------------------------
+# As a verification criterion
+
+
+class JudgeCriterion:
+    """Accept where the judge's P(important) < ``threshold`` (0: never, i.e. exact match)."""
+
+    def __init__(self, judge: Judge, threshold: float):
+        if not 0 <= threshold <= 1:
+            raise ConfigError(f"judge threshold must be in [0, 1], got {threshold}")
+        self.judge, self.threshold = judge, threshold
+        self.name = f"judge-{threshold:g}"
+
+    def prepare(self, inp: VerifyInput) -> PositionTest:
+        cache: dict[int, float] = {}
+
+        def test(j: int) -> bool:
+            if j not in cache:
+                cache[j] = float(self.judge.p_important(inp.hidden[j : j + 1])[0])
+            return cache[j] < self.threshold
+
+        return test
+
+
+class AnyOf:
+    """Accept when any of the criteria accepts ("Auto-Judge + DM")."""
+
+    def __init__(self, criteria: Sequence):
+        self.criteria = list(criteria)
+        self.name = "+".join(c.name for c in self.criteria)
+
+    def prepare(self, inp: VerifyInput) -> PositionTest:
+        tests = [c.prepare(inp) for c in self.criteria]  # every criterion draws its randomness up front
+        return lambda j: any(t(j) for t in tests)
+
+
+def mismatches_to_json(mismatches: Sequence[Mismatch]) -> str:
+    return json.dumps([asdict(m) for m in mismatches])
