@@ -166,13 +166,17 @@ def nli_entailment(texts: Sequence[str], model_id: str) -> np.ndarray:
     return out
 
 
-def token_agreement(paths: Sequence[Sequence[int]]) -> np.ndarray:
-    """(K, K) share of positions (up to the shorter path) where two paths emit the same token."""
+def shared_prefix(paths: Sequence[Sequence[int]]) -> np.ndarray:
+    """(K, K) token-level agreement: length of the common prefix of two paths over the shorter length.
+
+    (Position-wise agreement after the first divergence compares unrelated continuations, so the
+    prefix is the meaningful token-level measure.)
+    """
     k = len(paths)
     out = np.ones((k, k))
     for a in range(k):
         for b in range(a + 1, k):
             n = min(len(paths[a]), len(paths[b]))
-            same = np.mean([paths[a][i] == paths[b][i] for i in range(n)]) if n else 0.0
-            out[a, b] = out[b, a] = same
+            same = next((i for i in range(n) if paths[a][i] != paths[b][i]), n)
+            out[a, b] = out[b, a] = same / n if n else 1.0
     return out

@@ -139,9 +139,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = method_config(args)
     decoder = Decoder(pair_from_args(args, config), config, SamplingConfig(args.temperature, args.top_p))
+    from .tasks.llm_judge import JudgeEndpoint
+
     records = run_task(decoder, args.task, args.out, limit=args.limit, seed=args.seed,
                        max_new_tokens=args.max_new_tokens, fidelity=args.fidelity,
-                       chat_template=args.chat_template, data_dir=args.data_dir)
+                       chat_template=args.chat_template, data_dir=args.data_dir,
+                       llm_judge=JudgeEndpoint.from_env(args.judge_url, args.judge_model))
     log.info("%d results in %s", len(records), args.out)
     return 0
 
@@ -214,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fidelity", action="store_true", help="also record fidelity to the target's greedy output")
     run.add_argument("--chat-template", action="store_true", help="use the tokenizer's chat template (chat tasks)")
     run.add_argument("--data-dir", help="benchmark data directory (default: $DROPMATCH_DATA or ../shared/data)")
+    run.add_argument("--judge-url", help="OpenAI-compatible endpoint that grades MT-bench answers "
+                     "(default $DROPMATCH_JUDGE_URL; none: no LLM judge)")
+    run.add_argument("--judge-model", help="judge model name (default $DROPMATCH_JUDGE_MODEL)")
     run.set_defaults(func=cmd_run)
     summ = sub.add_parser("summarize", help="one table over result files")
     summ.add_argument("files", nargs="+")

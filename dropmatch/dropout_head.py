@@ -59,20 +59,32 @@ class DropoutHead:
         uniform = torch.rand((n_positions, self.k, d), generator=generator)
         return (uniform >= self.p_drop).to(self.weight.device)
 
-    def logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    def perturbation_inputs(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """Rows (n * K, d) in the compute dtype whose head products are the logit perturbations."""
+        scale = masks.to(torch.float32) / (1.0 - self.p_drop) - 1.0
+        delta = hidden.float().unsqueeze(1) * scale  # (n, K, d)
+        return delta.reshape(-1, delta.shape[-1]).to(self.compute_dtype)
+
+    def combine(self, clean_logits: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
+        """Head logits (n, K, V) from the dropout-free logits (n, V) and the products (n * K, V)."""
+        n = clean_logits.shape[0]
+        return clean_logits.unsqueeze(1) + products.float().view(n, self.k, -1)
+
+    def logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,
+               products: torch.Tensor | None = None) -> torch.Tensor:
         """Head logits (n, K, V) float32.
 
         Args:
             hidden: last hidden states (n, d).
             clean_logits: dropout-free logits (n, V) float32 (after soft-capping if any).
             masks: keep-masks (n, K, d) from :meth:`draw_masks`.
+            products: ``W @ perturbation_inputs(hidden, masks).T`` if already computed (e.g. fused
+                into the verification GEMM), else computed here.
         """
-        scale = masks.to(torch.float32) / (1.0 - self.p_drop)
         if self.softcap:  # capped logits are not additive in the perturbation: compute directly
-            inputs = hidden.float().unsqueeze(1) * scale
+            inputs = hidden.float().unsqueeze(1) * (masks.to(torch.float32) / (1.0 - self.p_drop))
             raw = F.linear(inputs.to(self.weight.dtype), self.weight).float()
             return torch.tanh(raw / self.softcap) * self.softcap
-        delta = hidden.float().unsqueeze(1) * (scale - 1.0)  # (n, K, d)
-        n, k, d = delta.shape
-        perturbation = F.linear(delta.reshape(n * k, d).to(self.compute_dtype), self._weight_c)
-        return clean_logits.unsqueeze(1) + perturbation.float().view(n, k, -1)
+        if products is None:
+            products = F.linear(self.perturbation_inputs(hidden, masks), self._weight_c)
+        return self.combine(clean_logits, products)

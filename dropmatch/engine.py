@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import Drafter
+from .drafters import Draft, Drafter
 from .errors import ConfigError, PromptTooLongError
 from .models import CausalLM, rollback
 from .sampling import SamplingConfig, choose_token
 from .stats import GenerationStats
-from .verification import StandardVerification, VerificationRule, VerifyInput
+from .verification import StandardVerification, Verdict, VerificationRule, VerifyInput
 
 
 @dataclass
@@ -34,6 +34,19 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def verify_step(target: CausalLM, rule: VerificationRule, hidden: torch.Tensor, draft: Draft,
+                sampling: SamplingConfig, generator: torch.Generator) -> Verdict:
+    """The head and the rule of one verify step, on the trunk's hidden states (L + 1, d): the rule's
+    prefetched rows (if any) ride in the head GEMM, then the rule decides."""
+    ask = getattr(rule, "prefetch", None)
+    prefetch = ask(hidden, sampling, generator) if ask and draft.tokens.numel() else None
+    logits, products = target.head_with_extra(hidden, prefetch.rows if prefetch else None, exact=not sampling.greedy)
+    if prefetch is not None:
+        prefetch.products = products
+    return rule.verify(VerifyInput(draft.tokens, draft.probs, logits, hidden, sampling, generator, draft.logits,
+                                   prefetch))
 
 
 def check_lengths(target: CausalLM, n_prompt: int, max_new_tokens: int, draft_len: int) -> None:
@@ -102,10 +115,7 @@ def generate(
             t1 = _clock(device)
             n = int(draft.tokens.numel())
             verify_ids = torch.cat([prompt.new_tensor([token]), draft.tokens])
-            hidden = target.hidden(verify_ids, cache)
-            logits = target.head(hidden, exact=not sampling.greedy)
-            verdict = rule.verify(VerifyInput(draft.tokens, draft.probs, logits, hidden, sampling, generator,
-                                              draft.logits))
+            verdict = verify_step(target, rule, target.hidden(verify_ids, cache), draft, sampling, generator)
             rollback(cache, n - verdict.n_accepted)
             drafter.commit(verdict.n_accepted)
             t2 = _clock(device)

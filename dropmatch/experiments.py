@@ -140,7 +140,8 @@ def dropout_paths(pair: ModelPair, examples: Sequence[Example], p_values: Sequen
 
 
 def path_similarity(records: Sequence[dict], p_drop: float, k: int) -> dict[str, np.ndarray]:
-    """Mean (K, K) sentence-embedding cosine similarity and token agreement between the paths at ``p_drop``."""
+    """Mean (K, K) sentence-embedding cosine similarity and shared-prefix token agreement between the
+    paths at ``p_drop``."""
     by_id: dict[str, dict[int, dict]] = {}
     for r in records:
         if r["p_drop"] == p_drop:
@@ -149,7 +150,7 @@ def path_similarity(records: Sequence[dict], p_drop: float, k: int) -> dict[str,
     for paths in by_id.values():
         texts = [paths[i]["text"] or " " for i in range(k)]
         cosines.append(analysis.pairwise_cosine(analysis.sentence_embeddings(texts)))
-        agreements.append(analysis.token_agreement([paths[i]["token_ids"] for i in range(k)]))
+        agreements.append(analysis.shared_prefix([paths[i]["token_ids"] for i in range(k)]))
     return {"cosine": np.mean(cosines, axis=0), "token_agreement": np.mean(agreements, axis=0)}
 
 

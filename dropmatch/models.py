@@ -123,6 +123,15 @@ class CausalLM:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    def head_with_extra(self, hidden: torch.Tensor, extra: torch.Tensor | None, exact: bool = True):
+        """``(head(hidden, exact), products)``: with the screened head, ``extra`` rows (m, d) ride in
+        the same bfloat16 GEMM and ``products`` = their head products (m, V); otherwise ``None``."""
+        if extra is not None and not exact and self.fast_head and hidden.shape[0] > 1 and not self.softcap:
+            if self._screened is None:
+                self._screened = ScreenedHead(self.head_weight, self.head_weight_as(torch.bfloat16))
+            return self._screened(hidden, extra)
+        return self.head(hidden, exact), None
+
     def logits(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Logits (V,) float32 after the last of ``ids``; extends ``cache``."""
         return self.head(self.hidden(ids, cache)[-1:])[0]

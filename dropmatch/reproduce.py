@@ -19,13 +19,21 @@ from .paths import REPO_ROOT
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
 PRESETS: dict[str, dict] = {
-    # CI: tiny prompt counts, short generations; minutes on 2 cores.
-    "smoke": {"preset": "smoke", "pair": "gemma-3-270m", "n_prompts": 2, "max_new_tokens": 24},
-    # The embedded pair on subsets big enough for comparisons to mean something (< 90 min on 2 cores).
-    "default": {"preset": "default", "pair": "gemma-3-270m", "n_prompts": 12, "max_new_tokens": 96},
+    # CI: two prompts per cell, short generations, the smallest sweeps; minutes on 2 cores.
+    "smoke": {
+        "preset": "smoke", "pair": "gemma-3-270m", "n_prompts": 2, "max_new_tokens": 16,
+        "p_similarity": [0.1, 0.3], "p_heads": [0.1, 0.3], "ks": [1, 5], "p_drops": [0.0, 0.05, 0.3],
+        "tasks": ["gsm8k", "humaneval"], "draft_lens": [5], "topk_ks": [2], "typical_settings": [[0.09, 0.3]],
+        "divergence_settings": [["js", 0.3]], "dropmatch_p_curve": [0.05, 0.3], "tasks_korean": ["komt_bench", "klue_nli"],
+        "mine_problems": 2, "mine_mismatches": 2, "mine_max_new_tokens": 32, "thresholds": [0.2],
+        "ood_tasks": ["klue_nli"], "overhead_prompts": 1,
+    },
+    # The embedded pair on subsets big enough for the comparisons to mean something (< 90 min on 2 cores).
+    "default": {"preset": "default", "pair": "gemma-3-270m", "n_prompts": 6, "max_new_tokens": 48},
     # The paper's pairs and full datasets, for GPUs with the weights at hand.
     "paper": {"preset": "paper", "pair": None, "target": "meta-llama/Llama-3.1-70B-Instruct",
-              "draft": "meta-llama/Llama-3.1-8B-Instruct", "n_prompts": None, "max_new_tokens": 512},
+              "draft": "meta-llama/Llama-3.1-8B-Instruct", "n_prompts": None, "max_new_tokens": 512,
+              "reference_hidden_size": 8192},
 }
 
 

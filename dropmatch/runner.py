@@ -28,6 +28,7 @@ from .provenance import environment_record
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .tasks import Example, chat_prompt, cut_output, generation_defaults, load_task, score
+from .tasks.llm_judge import JudgeEndpoint, judge_example, load_judge_prompts
 
 
 def read_results(path: Path) -> list[dict]:
@@ -107,8 +108,11 @@ class TaskRunner:
     the target's greedy output on the same prompt (``reference_cache``: share those across runs)."""
 
     def __init__(self, decoder: Decoder, task: str, *, max_new_tokens: int | None = None, seed: int = 0,
-                 fidelity: bool = False, chat_template: bool = False, reference_cache: str | Path | None = None):
+                 fidelity: bool = False, chat_template: bool = False, reference_cache: str | Path | None = None,
+                 llm_judge: JudgeEndpoint | None = None):
         self.decoder, self.task, self.seed = decoder, task, seed
+        self.llm_judge = llm_judge
+        self.judge_prompts = load_judge_prompts(task) if llm_judge is not None else None
         defaults = generation_defaults(task)
         self.stop = defaults.stop
         self.max_new_tokens = max_new_tokens or defaults.max_new_tokens
@@ -144,6 +148,8 @@ class TaskRunner:
             "config": self.decoder.config.to_dict(), "sampling": asdict(self.decoder.sampling),
             "max_new_tokens": self.max_new_tokens,
         }
+        if self.llm_judge is not None and example.turns:
+            record["score"].update(judge_example(self.llm_judge, self.judge_prompts, example, texts))
         if self.reference is not None:
             greedy = [self.reference.lookup(p) for p in prompts]
             pair = self.decoder.pair
@@ -162,7 +168,7 @@ class TaskRunner:
 def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None = None, seed: int = 0,
              max_new_tokens: int | None = None, fidelity: bool = False, chat_template: bool = False,
              data_dir: str | Path | None = None, progress: bool = True,
-             reference_cache: str | Path | None = None) -> list[dict]:
+             reference_cache: str | Path | None = None, llm_judge: JudgeEndpoint | None = None) -> list[dict]:
     """Decode ``task`` into ``out`` (JSON lines), resuming what is already there. Returns all records."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +187,7 @@ def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None 
     finished = {r["id"] for r in done}
     todo = [e for e in examples if e.id not in finished]
     runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
-                        chat_template=chat_template, reference_cache=reference_cache)
+                        chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge)
     bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"{task} {label}", disable=not progress)
     for example in todo:
         record = runner.run_example(example)

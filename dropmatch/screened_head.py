@@ -58,8 +58,12 @@ class ScreenedHead:
         x_norm = hidden.float().norm(dim=-1, keepdim=True)
         return self.input_bound * self.max_row_norm * x_norm + self.output_bound * approx.abs().amax(-1, keepdim=True)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        approx = F.linear(hidden.to(torch.bfloat16), self.weight_bf16).float()  # (n, V)
+    def __call__(self, hidden: torch.Tensor, extra: torch.Tensor | None = None):
+        """Logits (n, V); with ``extra`` rows (m, d), also their plain bfloat16 products (m, V) float32,
+        from the same GEMM (one pass over the weight for both): returns (logits, products)."""
+        rows = hidden.to(torch.bfloat16) if extra is None else torch.cat([hidden.to(torch.bfloat16), extra.to(torch.bfloat16)])
+        product = F.linear(rows, self.weight_bf16).float()
+        approx, extra_products = product[: hidden.shape[0]], product[hidden.shape[0] :]
         bound = self.error_bound(approx, hidden)
         # Any token below max - 2 * bound cannot be the exact maximum.
         threshold = approx.amax(-1, keepdim=True) - 2 * bound - self.refine_margin
@@ -69,4 +73,4 @@ class ScreenedHead:
                 approx[row] = F.linear(hidden[row].float(), self.weight)
             else:
                 approx[row, tokens] = F.linear(hidden[row].float(), self.weight[tokens])
-        return approx
+        return approx if extra is None else (approx, extra_products)

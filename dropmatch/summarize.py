@@ -41,6 +41,8 @@ def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dic
         tokens = sum(r["stats"]["new_tokens"] for r in rs)
         calls = sum(r["stats"]["target_calls"] for r in rs)
         key = PRIMARY_SCORE.get(task)
+        if any("judge_score" in r["score"] for r in rs):  # an LLM judge graded this run
+            key = "judge_score"
         scores = [r["score"][key] for r in rs if key in r["score"]]
         low, high = bootstrap_ci(scores)
         row = {"task": task, "method": method, "n": len(rs), "tau": tokens / calls if calls else float("nan"),

@@ -24,6 +24,20 @@ import torch
 from .sampling import SamplingConfig, sample_with_uniform
 
 
+@dataclass
+class Prefetch:
+    """Extra LM-head rows a rule wants computed in the verification GEMM, and its state for the step.
+
+    The engine asks ``rule.prefetch(hidden, sampling, generator)`` before running the head, fills
+    ``products`` (``W @ rows.T``, (m, V) float32) when it can fuse them, and hands the object back in
+    :attr:`VerifyInput.prefetch`. Rules must not depend on ``products`` being filled.
+    """
+
+    rows: torch.Tensor | None
+    state: object
+    products: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class VerifyInput:
     """Everything a rule may look at for one verify step with L draft tokens.
@@ -39,6 +53,7 @@ class VerifyInput:
         generator: CPU generator for every random draw of the step.
         draft_logits: (L, V) draft logits, given under greedy decoding instead of ``draft_probs``.
             Drafters with neither (n-gram lookup) count as one-hot.
+        prefetch: what the rule's ``prefetch`` asked for this step, if anything.
     """
 
     draft_tokens: torch.Tensor
@@ -48,6 +63,7 @@ class VerifyInput:
     sampling: SamplingConfig
     generator: torch.Generator
     draft_logits: torch.Tensor | None = None
+    prefetch: Prefetch | None = None
 
     @property
     def n_draft(self) -> int:
@@ -92,7 +108,8 @@ PositionTest = Callable[[int], bool]
 
 class Criterion(Protocol):
     """A lossy acceptance test. ``prepare`` draws all randomness for the step up front and
-    returns a test ``position -> accept?`` that computes lazily what it needs."""
+    returns a test ``position -> accept?`` that computes lazily what it needs. A criterion may also
+    define ``prefetch(hidden, sampling, generator) -> Prefetch`` (see :class:`Prefetch`)."""
 
     name: str
 
@@ -158,6 +175,10 @@ class RelaxedVerification:
         self.criterion = criterion
         self.keep_standard_accepts = keep_standard_accepts
         self.name = criterion.name + ("" if keep_standard_accepts else "-literal")
+
+    def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch | None:
+        ask = getattr(self.criterion, "prefetch", None)
+        return ask(hidden, sampling, generator) if ask else None
 
     def verify(self, inp: VerifyInput) -> Verdict:
         std = _standard(inp)

@@ -275,3 +275,29 @@ def test_model_drafter_interface_round_trip(tiny):
     again.start(torch.cat([prompt, torch.tensor([5] + first[:2])]))
     assert drafter.propose(77, 3, GREEDY, torch.Generator()).tokens.tolist() == \
         again.propose(77, 3, GREEDY, torch.Generator()).tokens.tolist()
+
+
+def test_heads_fused_into_the_verification_gemm(tiny):
+    """With the screened head on, the first positions' dropout rows ride in the verify GEMM."""
+    target = tiny.target
+    target.fast_head = True
+    try:
+        for seed in range(3):
+            prompt = random_prompt(seed)
+            sd = Decoder(tiny, MethodConfig("sd")).generate(prompt, max_new_tokens=32)
+            dm = Decoder(tiny, MethodConfig("dropmatch", p_drop=0.0)).generate(prompt, max_new_tokens=32)
+            assert dm.token_ids == sd.token_ids  # p_drop = 0 stays exact through the fused path
+        head = DropoutHead(target.head_weight, k=5, p_drop=0.3,
+                           weight_in_compute_dtype=target.head_weight_as(torch.bfloat16))
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(6, target.head_weight.shape[1], generator=g)
+        rows = head.perturbation_inputs(hidden[:2], head.draw_masks(2, g))
+        logits, products = target.head_with_extra(hidden, rows, exact=False)
+        assert products.shape == (10, target.vocab_size)
+        torch.testing.assert_close(products, torch.nn.functional.linear(rows, head._weight_c).float(),
+                                   atol=2e-2, rtol=2e-2)
+        assert torch.equal(logits.argmax(-1), target.head(hidden).argmax(-1))
+        out = Decoder(tiny, MethodConfig("dropmatch")).generate(random_prompt(1), max_new_tokens=32)
+        assert out.stats.extra_accepts > 0
+    finally:
+        target.fast_head = False

@@ -2,12 +2,13 @@
 
     python -m dropmatch.benchmarks.dropmatch_overhead [--prompts 4] [--max-new-tokens 96] [--repeats 3]
 
-1. Greedy standard SD runs on 4-shot GSM8K prompts; every verify step's tensors are recorded and
-   the mean verify-step time (target trunk + head + rule) is measured.
-2. The recorded steps are replayed through each rule, interleaved and repeated: standard
-   verification and DropMatch (naive, js, js+majority; K = 5, p_drop = 0.3, bfloat16 and float32
-   perturbation GEMMs). The head overhead is the extra rule time per step as a percentage of the
-   standard verify step. Identical inputs for every rule, so the difference is the heads alone.
+1. Greedy standard SD runs on 4-shot GSM8K prompts; every verify step's draft and target hidden
+   states are recorded, and the mean verify-step time (target trunk + head + rule) is measured.
+2. The recorded steps are replayed through the head and each rule (interleaved, repeated, identical
+   inputs): standard verification and DropMatch (naive, js, js+majority; K = 5, p_drop = 0.3) with
+   bfloat16 perturbation GEMMs (the default, the first positions fused into the verification GEMM)
+   and with float32 ones. Head overhead = extra head + rule time per step, as a percentage of the
+   standard verify step.
 3. End to end: tau and tokens/s of SD and SD + DropMatch on the same prompts, same process.
 """
 
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
+from collections.abc import Sequence
 
+import pandas as pd
 import torch
 
-from ..drafters import ModelDrafter
-from ..engine import generate
+from ..drafters import Draft, ModelDrafter
+from ..engine import generate, verify_step
 from ..methods import Decoder, MethodConfig, build_rule
-from ..models import load_pair
+from ..models import ModelPair, load_pair
 from ..verification import StandardVerification, VerifyInput
 from .common import format_table, gsm8k_fewshot_prompts, machine_line
 
@@ -34,6 +36,67 @@ class _Recorder(StandardVerification):
     def verify(self, inp: VerifyInput):
         self.steps.append(inp)
         return super().verify(inp)
+
+
+def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_tokens: int = 96,
+                     repeats: int = 3, draft_len: int = 5, k: int = 5, p_drop: float = 0.3,
+                     criteria: Sequence[str] = ("naive", "js", "js+majority"),
+                     head_dtypes: Sequence[str] = ("bfloat16", "float32")) -> pd.DataFrame:
+    """One row per rule: head + rule time per step, positions with heads per step, overhead in % of
+    the standard verify step (column ``verify step (ms)`` holds that step's mean)."""
+    recorder = _Recorder()
+    verify_s = steps = 0
+    with torch.inference_mode():
+        for ids in prompts:
+            s = generate(pair.target, ids, drafter=ModelDrafter(pair.draft), rule=recorder, draft_len=draft_len,
+                         max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids).stats
+            verify_s, steps = verify_s + s.verify_s, steps + s.verify_steps
+    step_ms = 1000 * verify_s / steps
+    variants = {"standard": MethodConfig("sd")}
+    for criterion in criteria:
+        for dtype in head_dtypes:
+            variants[f"dropmatch {criterion} ({dtype} heads)"] = MethodConfig(
+                "dropmatch", k=k, p_drop=p_drop, criterion=criterion, head_dtype=dtype)
+    rules = {name: build_rule(pair.target, config) for name, config in variants.items()}
+    seconds, evaluations = dict.fromkeys(rules, 0.0), dict.fromkeys(rules, 0)
+    with torch.inference_mode():
+        for repeat in range(repeats):
+            for i, inp in enumerate(recorder.steps):
+                draft = Draft(inp.draft_tokens, inp.draft_probs, inp.draft_logits)
+                for name, rule in rules.items():
+                    start = time.perf_counter()
+                    verdict = verify_step(pair.target, rule, inp.hidden, draft, inp.sampling,
+                                          torch.Generator().manual_seed(i))
+                    seconds[name] += time.perf_counter() - start
+                    if repeat == 0:
+                        evaluations[name] += verdict.criterion_evaluations
+    n = len(recorder.steps) * repeats
+    base = 1000 * seconds["standard"] / n
+    rows = []
+    for name in rules:
+        ms = 1000 * seconds[name] / n
+        rows.append({"rule": name, "head + rule / step (ms)": ms,
+                     "positions with heads / step": evaluations[name] / len(recorder.steps),
+                     "head overhead (% of verify step)": 100 * (ms - base) / step_ms,
+                     "verify step (ms)": step_ms, "steps": len(recorder.steps)})
+    return pd.DataFrame(rows)
+
+
+def end_to_end(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_tokens: int, draft_len: int = 5,
+               k: int = 5, p_drop: float = 0.3) -> pd.DataFrame:
+    rows = []
+    for label, config in (("SD", MethodConfig("sd", draft_len=draft_len)),
+                          ("SD + DropMatch js+majority", MethodConfig("dropmatch", draft_len=draft_len, k=k,
+                                                                      p_drop=p_drop))):
+        decoder = Decoder(pair, config)
+        tokens = wall = calls = 0
+        for ids in prompts:
+            s = decoder.generate(ids, max_new_tokens=max_new_tokens).stats
+            tokens, wall, calls = tokens + s.new_tokens, wall + s.wall_s, calls + s.target_calls
+        rows.append({"method": label, "tau": tokens / calls, "tokens/s": tokens / wall})
+    table = pd.DataFrame(rows)
+    table["vs SD"] = table["tokens/s"] / table["tokens/s"].iloc[0]
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,64 +111,17 @@ def main(argv: list[str] | None = None) -> None:
 
     pair = load_pair("gemma-3-270m")
     prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
-    recorder = _Recorder()
-    verify_s = steps = 0.0
-    with torch.inference_mode():
-        for ids in prompts:
-            s = generate(pair.target, ids, drafter=ModelDrafter(pair.draft), rule=recorder,
-                         draft_len=args.draft_len, max_new_tokens=args.max_new_tokens,
-                         eos_token_ids=pair.eos_token_ids).stats
-            verify_s += s.verify_s
-            steps += s.verify_steps
-    step_ms = 1000 * verify_s / steps
-
-    variants = {"standard": MethodConfig("sd")}
-    for criterion in ("naive", "js", "js+majority"):
-        for dtype in ("bfloat16", "float32"):
-            variants[f"dropmatch {criterion} ({dtype} heads)"] = MethodConfig(
-                "dropmatch", k=args.k, p_drop=args.p_drop, criterion=criterion, head_dtype=dtype)
-    rules = {name: build_rule(pair.target, config) for name, config in variants.items()}
-    seconds = dict.fromkeys(rules, 0.0)
-    evaluations = dict.fromkeys(rules, 0)
-    with torch.inference_mode():
-        for repeat in range(args.repeats):
-            for i, inp in enumerate(recorder.steps):
-                for name, rule in rules.items():
-                    seeded = replace(inp, generator=torch.Generator().manual_seed(i))
-                    start = time.perf_counter()
-                    verdict = rule.verify(seeded)
-                    seconds[name] += time.perf_counter() - start
-                    if repeat == 0:
-                        evaluations[name] += verdict.criterion_evaluations
-    n = len(recorder.steps) * args.repeats
-    base = 1000 * seconds["standard"] / n
-    rows = []
-    for name in rules:
-        rule_ms = 1000 * seconds[name] / n
-        rows.append({"rule": name, "rule time / step (ms)": rule_ms,
-                     "positions with heads / step": evaluations[name] / len(recorder.steps),
-                     "head overhead (% of verify step)": 100 * (rule_ms - base) / step_ms})
-
-    e2e = []
-    for label, config in (("SD", MethodConfig("sd", draft_len=args.draft_len)),
-                          ("SD + DropMatch js+majority", MethodConfig("dropmatch", draft_len=args.draft_len,
-                                                                      k=args.k, p_drop=args.p_drop))):
-        decoder = Decoder(pair, config)
-        tokens = wall = calls = 0
-        for ids in prompts:
-            s = decoder.generate(ids, max_new_tokens=args.max_new_tokens).stats
-            tokens, wall, calls = tokens + s.new_tokens, wall + s.wall_s, calls + s.target_calls
-        e2e.append({"method": label, "tau": tokens / calls, "tokens/s": tokens / wall})
-    e2e[1]["vs SD"] = e2e[1]["tokens/s"] / e2e[0]["tokens/s"]
-    e2e[0]["vs SD"] = 1.0
-
-    print(f"# DropMatch overhead: {len(recorder.steps)} recorded verify steps from {len(prompts)} 4-shot GSM8K "
-          f"prompts (L={args.draft_len}, K={args.k}, p_drop={args.p_drop}), x{args.repeats}; {machine_line()}")
-    print(f"mean standard verify step (target trunk + head + rule): {step_ms:.1f} ms")
-    print(format_table(rows, ["rule", "rule time / step (ms)", "positions with heads / step",
-                              "head overhead (% of verify step)"]))
+    overhead = measure_overhead(pair, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                                draft_len=args.draft_len, k=args.k, p_drop=args.p_drop)
+    e2e = end_to_end(pair, prompts, max_new_tokens=args.max_new_tokens, draft_len=args.draft_len, k=args.k,
+                     p_drop=args.p_drop)
+    print(f"# DropMatch overhead: {int(overhead.steps.iloc[0])} recorded verify steps from {len(prompts)} 4-shot "
+          f"GSM8K prompts (L={args.draft_len}, K={args.k}, p_drop={args.p_drop}), x{args.repeats}; {machine_line()}")
+    print(f"mean standard verify step (target trunk + head + rule): {overhead['verify step (ms)'].iloc[0]:.1f} ms")
+    columns = ["rule", "head + rule / step (ms)", "positions with heads / step", "head overhead (% of verify step)"]
+    print(format_table(overhead.to_dict("records"), columns))
     print()
-    print(format_table(e2e, ["method", "tau", "tokens/s", "vs SD"]))
+    print(format_table(e2e.to_dict("records"), ["method", "tau", "tokens/s", "vs SD"]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""Optional MT-bench / KoMT-bench judging by an LLM behind an OpenAI-compatible endpoint.
+
+Configuration: ``DROPMATCH_JUDGE_URL`` (e.g. ``https://api.openai.com/v1`` or a local vLLM server),
+``DROPMATCH_JUDGE_MODEL`` (e.g. ``gpt-4``) and, if needed, ``DROPMATCH_JUDGE_API_KEY``; or the
+``--judge-url`` / ``--judge-model`` options of ``python -m dropmatch run``. Prompts are FastChat's
+single-answer grading prompts shipped with the benchmark (``judge_prompts*.jsonl``): the reference
+variant for math, reasoning and coding questions, the multi-turn variant for turn 2. Nothing here
+runs unless an endpoint is configured; offline the project reports reference-free measures instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..paths import data_dir
+from .data import Example
+
+NEEDS_REFERENCE = ("math", "reasoning", "coding")
+PROMPT_FILES = {"mt_bench": "mt_bench/judge_prompts.jsonl", "komt_bench": "komt_bench/judge_prompts_ko.jsonl"}
+_RATING = re.compile(r"\[\[(\d+(?:\.\d+)?)\]\]")
+_RATING_LOOSE = re.compile(r"\[(\d+(?:\.\d+)?)\]")
+
+
+@dataclass(frozen=True)
+class JudgeEndpoint:
+    url: str
+    model: str
+    api_key: str | None = None
+    timeout_s: float = 120.0
+
+    @classmethod
+    def from_env(cls, url: str | None = None, model: str | None = None) -> JudgeEndpoint | None:
+        url = url or os.environ.get("DROPMATCH_JUDGE_URL")
+        if not url:
+            return None
+        model = model or os.environ.get("DROPMATCH_JUDGE_MODEL")
+        if not model:
+            raise ConfigError("a judge URL needs a model name: set DROPMATCH_JUDGE_MODEL or pass --judge-model")
+        return cls(url.rstrip("/"), model, os.environ.get("DROPMATCH_JUDGE_API_KEY"))
+
+    def complete(self, system: str, user: str) -> str:
+        body = json.dumps({"model": self.model, "temperature": 0, "max_tokens": 2048,
+                           "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(f"{self.url}/chat/completions", data=body.encode(), headers=headers)
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 (configured URL)
+            return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+def parse_rating(text: str) -> float | None:
+    """The judge's "[[r]]" rating (FastChat falls back to "[r]"); None if there is none."""
+    found = _RATING.search(text) or _RATING_LOOSE.search(text)
+    return float(found.group(1)) if found else None
+
+
+def load_judge_prompts(task: str, root: str | Path | None = None) -> dict[str, dict]:
+    if task not in PROMPT_FILES:
+        raise ConfigError(f"no judge prompts for task {task!r}; judging is for {', '.join(PROMPT_FILES)}")
+    path = Path(root or data_dir()) / PROMPT_FILES[task]
+    return {r["name"]: r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") == "single"}
+
+
+def judge_example(endpoint: JudgeEndpoint, prompts: dict[str, dict], example: Example,
+                  answers: list[str]) -> dict[str, float]:
+    """Ratings (1-10) of both turns and their mean, as score fields."""
+    reference = example.reference if example.metadata.get("category") in NEEDS_REFERENCE else None
+    q1, q2 = example.turns
+    fields = {"question": q1, "answer": answers[0], "question_1": q1, "question_2": q2,
+              "answer_1": answers[0], "answer_2": answers[1] if len(answers) > 1 else ""}
+    if reference:
+        fields.update(ref_answer_1=reference[0], ref_answer_2=reference[1] if len(reference) > 1 else "")
+    scores: dict[str, float] = {}
+    for turn, name in ((1, "single-v1"), (2, "single-v1-multi-turn")):
+        if reference:
+            name = name.replace("single-v1", "single-math-v1")
+        prompt = prompts[name]
+        rating = parse_rating(endpoint.complete(prompt["system_prompt"], prompt["prompt_template"].format(**fields)))
+        if rating is not None:
+            scores[f"judge_turn_{turn}"] = rating
+    if scores:
+        scores["judge_score"] = sum(scores.values()) / len(scores)
+    return scores
