@@ -19,7 +19,7 @@ GREEDY = SamplingConfig()
 
 def dropout_path(target: CausalLM, prompt_ids: Sequence[int], p_drop: float, seed: int,
                  max_new_tokens: int, eos_token_ids: Sequence[int] = (),
-                 should_stop: Callable[[list[int]], bool] | None = None) -> list[int]:
+                 should_stop: Callable[[list[int]], int | None] | None = None) -> list[int]:
     """Greedy decoding where every step's LM head sees h * m / (1 - p_drop), a fresh mask each
     step drawn from this path's own generator (seeded by ``seed``). p_drop = 0 is plain greedy."""
     check_dropout_args(1, p_drop)
@@ -33,25 +33,34 @@ def dropout_path(target: CausalLM, prompt_ids: Sequence[int], p_drop: float, see
             keep = (torch.rand(h.shape, generator=generator) >= p_drop).to(h.device, h.dtype)
             token = int(target.head(h * keep / (1.0 - p_drop)).argmax())
             out.append(token)
-            if token in eos or len(out) == max_new_tokens or (should_stop and should_stop(out)):
+            keep = should_stop(out) if should_stop else None
+            if keep is not None:
+                del out[keep:]
+                break
+            if token in eos or len(out) == max_new_tokens:
                 break
             h = target.hidden(torch.tensor([token], device=target.device), cache)
     return out
 
 
-def _teacher_forced(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Sequence[int]):
-    """Target hidden states (n, d), target logits (n, V), draft logits (n, V) at the n answer positions."""
+def teacher_forced(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Sequence[int], draft: bool = True):
+    """Target hidden states (n, d), target logits (n, V) and draft logits (n, V) (``None`` without
+    ``draft``) at the n positions that score ``answer_ids`` after ``prompt_ids``."""
     ids = torch.tensor([list(prompt_ids) + list(answer_ids)], device=pair.target.device)
     rows = slice(len(prompt_ids) - 1, len(prompt_ids) - 1 + len(answer_ids))
     with torch.inference_mode():
         hidden = pair.target.trunk(input_ids=ids).last_hidden_state[0, rows]
         logits = pair.target.head(hidden)
-        draft = pair.draft.model(ids).logits[0, rows, : pair.draft.vocab_size].float() if pair.draft else None
-    return hidden, logits, draft
+        draft_logits = None
+        if draft and pair.draft is not None:
+            draft_logits = pair.draft.head(pair.draft.trunk(input_ids=ids).last_hidden_state[0, rows])
+    return hidden, logits, draft_logits
 
 
 def _heads(target: CausalLM, k: int, p_drop: float) -> DropoutHead:
-    dtype = torch.bfloat16 if target.head_weight.dtype != torch.float16 else torch.float16
+    from .methods import default_head_dtype
+
+    dtype = default_head_dtype(target)
     return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
                        weight_in_compute_dtype=target.head_weight_as(dtype))
 
@@ -60,7 +69,7 @@ def head_agreement(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Seque
                    p_drop: float = 0.3, seed: int = 0, chunk: int = 8) -> dict[str, np.ndarray]:
     """Per answer position (teacher-forced): how many of the K heads pick the majority token
     (``majority_count``), and the heads' mean probability of that token (``majority_prob``)."""
-    hidden, logits, _ = _teacher_forced(pair, prompt_ids, answer_ids)
+    hidden, logits, _ = teacher_forced(pair, prompt_ids, answer_ids, draft=False)
     head = _heads(pair.target, k, p_drop)
     generator = torch.Generator().manual_seed(seed)
     counts, probs = [], []
@@ -85,7 +94,7 @@ def acceptance_probe(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Seq
     Returns one row per (p_drop, criterion): positions, exact-match rate, acceptance rate, and the
     share of accepted mismatches outside the target's top 5.
     """
-    hidden, logits, draft_logits = _teacher_forced(pair, prompt_ids, answer_ids)
+    hidden, logits, draft_logits = teacher_forced(pair, prompt_ids, answer_ids)
     draft = draft_logits.argmax(-1)
     target_tokens = logits.argmax(-1)
     mismatch = (draft != target_tokens).nonzero().squeeze(-1).tolist()
@@ -118,8 +127,9 @@ def equal_noise_p_drop(p_reference: float, d_reference: int, d: int) -> float:
     gives one of hidden size ``d_reference``.
 
     Per logit, Var(W_v (h * m / (1 - p) - h)) = p / (1 - p) * sum_j W_vj^2 h_j^2, about
-    p / (1 - p) * |W_v|^2 |h|^2 / d for unaligned vectors, while the logit itself scales with
-    |W_v| |h|. Equal relative noise means equal p / ((1 - p) d).
+    p / (1 - p) * |W_v|^2 |h|^2 / d when W_v's and h's large coordinates do not coincide, while the
+    spread of the logits scales with |W_v| |h| (times a model-dependent alignment factor that this
+    rule assumes equal across sizes). Equal relative noise means equal p / ((1 - p) d).
     """
     odds = p_reference / (1 - p_reference) * d / d_reference
     return odds / (1 + odds)

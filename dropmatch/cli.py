@@ -166,7 +166,8 @@ def cmd_judge_mine(args: argparse.Namespace) -> int:
     from .tasks import generation_defaults, load_gsm8k_train
     from .tasks.metrics import extract_gsm8k_answer
 
-    pair = load_pair(args.pair, device=args.device)
+    args.method, args.draft_len = "sd", 5
+    pair = pair_from_args(args, MethodConfig("sd"))
     problems = [(e.id, e.prompt) for e in load_gsm8k_train(limit=args.problems, data_dir=args.data_dir)]
     mined = mine(pair, problems, args.out, answer=extract_gsm8k_answer, stop=generation_defaults("gsm8k").stop,
                  max_new_tokens=args.max_new_tokens, max_mismatches=args.max_mismatches)
@@ -179,7 +180,8 @@ def cmd_judge_train(args: argparse.Namespace) -> int:
     from .judge import Mismatch, train_judge
     from .runner import read_results
 
-    mismatches = [Mismatch(**m) for path in args.mined for r in read_results(Path(path)) for m in r["mismatches"]]
+    mismatches = [Mismatch(**m) for path in args.mined for r in read_results(Path(path), repair=False)
+                  for m in r["mismatches"]]
     judge = train_judge(mismatches, seed=args.seed)
     judge.save(args.out)
     print(json.dumps(judge.info))
@@ -229,8 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     judge = sub.add_parser("judge", help="the trained-judge baseline: mine labels, train")
     judge_sub = judge.add_subparsers(dest="judge_command", required=True)
     mine_p = judge_sub.add_parser("mine", help="label draft/target mismatches on GSM8K train (resumable)")
-    mine_p.add_argument("--pair", default=GEMMA_PAIR)
-    mine_p.add_argument("--device")
+    add_model_args(mine_p)
     mine_p.add_argument("--problems", type=int, default=24, help="number of GSM8K train problems")
     mine_p.add_argument("--max-mismatches", type=int, default=6, help="labelled mismatches per problem")
     mine_p.add_argument("--max-new-tokens", type=int, default=160)

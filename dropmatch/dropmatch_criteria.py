@@ -39,14 +39,14 @@ def majority_accepts(tokens: torch.Tensor, draft_token: int, rule: str = "strict
     votes = int((tokens == draft_token).sum())
     if rule == "strict":
         return 2 * votes > tokens.numel()
-    counts = torch.bincount(tokens)
-    counts[draft_token] = 0
-    return votes > int(counts.max())
+    others = tokens[tokens != draft_token]
+    return votes > 0 and (others.numel() == 0 or votes > int(others.unique(return_counts=True)[1].max()))
 
 
 def js_accepts(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: SamplingConfig) -> bool:
     """JS(q || c) <= max_i JS(p_i || c) with c = softmax of the mean head logits (Eqs. 5-6)."""
-    centroid = sampling.probs(head_logits.mean(dim=0))
+    # mean of the logits, written so that K identical heads give exactly that head (JS radius 0)
+    centroid = sampling.probs(head_logits[0] + (head_logits - head_logits[0]).mean(dim=0))
     radius = js_divergence(sampling.probs(head_logits), centroid).max()
     return bool(js_divergence(draft_dist, centroid) <= radius)
 
@@ -106,7 +106,8 @@ class DropMatch:
         rows to ride in the verification GEMM (``hidden``: the L + 1 verified positions)."""
         masks, uniforms = self._draw(hidden.shape[0] - 1, sampling, generator)
         n = min(self.prefetch_positions, masks.shape[0])
-        rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if n and not self.head.softcap else None
+        fusable = n and not self.head.softcap and self.head.compute_dtype == torch.bfloat16  # the screened GEMM's dtype
+        rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if fusable else None
         return Prefetch(rows, (masks, uniforms))
 
     def prepare(self, inp: VerifyInput) -> PositionTest:

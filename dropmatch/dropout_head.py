@@ -4,7 +4,7 @@ Dropout goes on the *input* of the unchanged LM head only: for a last hidden sta
 head i sees h * m_i / (1 - p_drop) with m_i ~ Bernoulli(1 - p_drop)^d. The trunk and the KV cache
 run once. Head logits are computed as the dropout-free logits plus the logit perturbation
 
-    W (h * m_i / (1 - p) - h)  =  W h * (m_i / (1 - p) - 1),
+    W (h * m_i / (1 - p) - h)  =  W (h * (m_i / (1 - p) - 1)),
 
 which is the same quantity as ``W (h * m_i / (1 - p))`` in exact arithmetic, and lets the perturbation
 GEMM run in a faster dtype (bfloat16 by default) while the dropout-free logits stay in the model's

@@ -49,6 +49,19 @@ def verify_step(target: CausalLM, rule: VerificationRule, hidden: torch.Tensor, 
                                    prefetch))
 
 
+def _cut_last_step(output: list[int], keep: int, stats: GenerationStats, accepted: int, target: bool) -> None:
+    """Drop the output past ``keep``, from the last step only (which emitted ``accepted`` draft tokens
+    and, if ``target``, one target token after them), and take the dropped tokens out of the counts."""
+    drop = min(len(output) - keep, accepted + target)
+    if target and drop:
+        stats.target_tokens -= 1
+        if drop > 1:
+            stats.accepted_per_step[-1] -= drop - 1
+    elif drop:
+        stats.accepted_per_step[-1] -= drop
+    del output[len(output) - drop :]
+
+
 def check_lengths(target: CausalLM, n_prompt: int, max_new_tokens: int, draft_len: int) -> None:
     if n_prompt < 1:
         raise ConfigError("the prompt is empty: pass at least one token (e.g. the BOS token)")
@@ -74,14 +87,16 @@ def generate(
     sampling: SamplingConfig | None = None,
     seed: int = 0,
     eos_token_ids: Sequence[int] = (),
-    should_stop: Callable[[list[int]], bool] | None = None,
+    should_stop: Callable[[list[int]], int | None] | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     Without a drafter this is autoregressive decoding. With one, speculative decoding verified by
     ``rule`` (default: greedy exact match / speculative sampling). Stops after an EOS token, which
     is included in the output; nothing is emitted past it. ``should_stop(output_ids)`` is asked after
-    every step (e.g. for stop strings); the step's tokens are kept.
+    every step (e.g. for stop strings, :class:`~dropmatch.methods.StopOnText`): a length means "stop,
+    and keep that many tokens", so a speculative step that overshoots a stop string is cut back to
+    exactly what plain decoding would have emitted (statistics included).
     """
     sampling = sampling or SamplingConfig()
     rule = rule or StandardVerification()
@@ -102,13 +117,16 @@ def generate(
         if drafter is not None:
             drafter.start(prompt)
             stats.draft_s += _clock(device) - start - stats.prefill_s
-        while token not in eos and len(output) < max_new_tokens and not (should_stop and should_stop(output)):
+        keep = should_stop(output) if should_stop else None
+        last = (0, True)  # (accepted draft tokens, target token emitted) of the latest step
+        while token not in eos and len(output) < max_new_tokens and keep is None:
             remaining = max_new_tokens - len(output)
             if drafter is None:
                 token = choose_token(target.logits(prompt.new_tensor([token]), cache), sampling, generator)
                 output.append(token)
                 stats.target_calls += 1
                 stats.target_tokens += 1
+                keep = should_stop(output) if should_stop else None
                 continue
             t0 = _clock(device)
             draft = drafter.propose(token, min(draft_len, remaining - 1), sampling, generator)
@@ -133,10 +151,14 @@ def generate(
                     break
             stats.accepted_per_step.append(accepted)
             token = output[-1]
-            if token not in eos:
+            last = (accepted, token not in eos)
+            if last[1]:
                 token = verdict.next_token
                 output.append(token)
                 stats.target_tokens += 1
+            keep = should_stop(output) if should_stop else None
+        if keep is not None and keep < len(output):
+            _cut_last_step(output, keep, stats, *last)
         stats.wall_s = _clock(device) - start
     stats.new_tokens = len(output)
     return GenerationResult(output, stats)

@@ -44,10 +44,10 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
     results_dir = Path(results_dir)
     records: dict[str, list[dict]] = {}
     for name, config in configs.items():
-        out = results_dir / f"{task}__{slug(config.label)}.jsonl"
+        out = results_dir / f"{task}__{slug(pair.name)}__{slug(config.label)}.jsonl"
         records[name] = run_task(Decoder(pair, config), task, out, limit=n_prompts, seed=seed,
                                  max_new_tokens=max_new_tokens, fidelity=fidelity, progress=progress,
-                                 reference_cache=results_dir / f"greedy__{task}__{max_new_tokens}.jsonl")
+                                 reference_cache=reference_path(pair, task, results_dir))
     rows = []
     for name, rs in records.items():
         row = summarize_records(rs)[0]
@@ -64,13 +64,18 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
     return table
 
 
+def reference_path(pair: ModelPair, task: str, results_dir: str | Path) -> Path:
+    """The greedy-reference cache of a pair and task (its records are keyed by budget and prompt)."""
+    return Path(results_dir) / f"greedy__{task}__{slug(pair.name)}.jsonl"
+
+
 def greedy_answers(pair: ModelPair, examples: Sequence[Example], max_new_tokens: int,
                    results_dir: str | Path) -> list[list[int]]:
-    """The target's greedy answers (cached), cut at the task's stop strings."""
+    """The target's greedy answers (cached), ending at the task's stop strings."""
     references: dict[str, GreedyReference] = {}
     for task in {ex.task for ex in examples}:
         references[task] = GreedyReference(pair, generation_defaults(task).stop, max_new_tokens,
-                                           Path(results_dir) / f"greedy__{task}__{max_new_tokens}.jsonl")
+                                           reference_path(pair, task, results_dir))
     return [references[ex.task](ex.prompt) for ex in examples]
 
 
@@ -122,7 +127,7 @@ def dropout_paths(pair: ModelPair, examples: Sequence[Example], p_values: Sequen
     text, task score and target NLL."""
     from tqdm.auto import tqdm
 
-    path = Path(results_dir) / f"dropout_paths__{examples[0].task}__{max_new_tokens}.jsonl"
+    path = Path(results_dir) / f"dropout_paths__{examples[0].task}__{slug(pair.name)}__{max_new_tokens}.jsonl"
     done = {(r["id"], r["p_drop"], r["head"]): r for r in read_results(path)}
     jobs = [(ex, p, i) for ex in examples for p in p_values for i in range(k) if (ex.id, p, i) not in done]
     for ex, p, i in tqdm(jobs, desc="dropout paths", disable=not progress):

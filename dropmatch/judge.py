@@ -4,8 +4,9 @@ Mining (``mine``), on GSM8K train problems: decode the target's greedy answer; f
 where the draft's argmax (teacher-forced on that answer) differs; at each, substitute the draft token
 and let the target regenerate greedily. If the final answer is unchanged the mismatch is
 *unimportant* and the swapped sequence becomes the new reference; otherwise it is *important*.
-Mining continues from the next position. Features are the target's last hidden state at the
-mismatch (the state that scores the token in verification; AutoJudge's target-only setup).
+Mining continues from the next position. Features are two target last hidden states: the one that
+scores the position (what verification computes for it) and the one after consuming the draft token
+(which tells draft tokens apart), concatenated (2d); AutoJudge's target-only setup.
 
 Training (``train_judge``): ``StandardScaler`` + ``LogisticRegression``, C chosen by validation
 ROC-AUC, refit on everything. The judge is saved with joblib and loaded by path.
@@ -18,18 +19,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .analysis import teacher_forced
 from .engine import generate
 from .errors import ConfigError
 from .methods import Decoder, MethodConfig, StopOnText
 from .models import ModelPair
-from .verification import PositionTest, VerifyInput
+from .verification import PositionTest, Prefetch, VerifyInput
 
 
 @dataclass
@@ -90,17 +92,24 @@ class Miner:
         return self.answer(self.pair.decode(answer_ids[: _stop_index(self.pair.decode, answer_ids, self.stop)]))
 
     def _teacher_forced(self, prompt: list[int], answer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft argmax (n,) and target hidden states (n, d) at the positions scoring ``answer_ids``."""
+        """Draft argmax (n,) and target hidden states (n + 1, d) over ``answer_ids``: row i scores
+        answer token i, row i + 1 has consumed it."""
+        _, _, draft_logits = teacher_forced(self.pair, prompt, answer_ids)
         ids = torch.tensor([prompt + answer_ids], device=self.pair.target.device)
-        rows = slice(len(prompt) - 1, len(prompt) - 1 + len(answer_ids))
         with torch.inference_mode():
-            draft_logits = self.pair.draft.model(ids).logits[0, rows, : self.pair.draft.vocab_size]
-            hidden = self.pair.target.trunk(input_ids=ids).last_hidden_state[0, rows]
+            hidden = self.pair.target.trunk(input_ids=ids).last_hidden_state[0, len(prompt) - 1 :]
         return draft_logits.argmax(-1).cpu(), hidden.float().cpu()
+
+    def _state_after(self, ids: list[int]) -> torch.Tensor:
+        """Target last hidden state (d,) after consuming ``ids``."""
+        with torch.inference_mode():
+            hidden = self.pair.target.trunk(input_ids=torch.tensor([ids], device=self.pair.target.device))
+        return hidden.last_hidden_state[0, -1].float().cpu()
 
     def mine(self, problem_id: str, prompt: list[int]) -> list[Mismatch]:
         reference = self._continue(prompt, self.max_new_tokens)
         final = self._final(reference)
+        eos = set(self.pair.eos_token_ids)
         found: list[Mismatch] = []
         position = 0
         while len(found) < self.max_mismatches:
@@ -110,10 +119,14 @@ class Miner:
             if not disagree:
                 break
             i = disagree[0]
-            swapped = reference[:i] + [int(draft_argmax[i])]
-            swapped += self._continue(prompt + swapped, self.max_new_tokens - len(swapped))
+            token = int(draft_argmax[i])
+            swapped = reference[:i] + [token]
+            if token not in eos:  # nothing follows an EOS
+                swapped += self._continue(prompt + swapped, self.max_new_tokens - len(swapped))
             important = self._final(swapped) != final
-            found.append(Mismatch(problem_id, i, reference[i], int(draft_argmax[i]), important, hidden[i].tolist()))
+            # features: the state scoring position i, and the state after consuming the draft token
+            features = torch.cat([hidden[i], self._state_after(prompt + swapped[: i + 1])])
+            found.append(Mismatch(problem_id, i, reference[i], token, important, features.tolist()))
             if not important:
                 reference = swapped
             position = i + 1
@@ -150,9 +163,9 @@ class Judge:
     def __init__(self, pipeline, info: dict):
         self.pipeline, self.info = pipeline, info
 
-    def p_important(self, hidden: torch.Tensor | np.ndarray) -> np.ndarray:
-        """Probability (n,) that each mismatch, with target hidden states (n, d), is important."""
-        x = hidden.float().cpu().numpy() if torch.is_tensor(hidden) else np.asarray(hidden, dtype=np.float32)
+    def p_important(self, features: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Probability (n,) that each mismatch, with features (n, 2d) (see :func:`judge_features`), is important."""
+        x = features.float().cpu().numpy() if torch.is_tensor(features) else np.asarray(features, dtype=np.float32)
         return self.pipeline.predict_proba(x)[:, 1]
 
     def save(self, path: str | Path) -> None:
@@ -173,28 +186,29 @@ class Judge:
 
 
 def train_judge(mismatches: Sequence[Mismatch], Cs: Sequence[float] = (0.001, 0.01, 0.1, 1.0, 10.0),
-                val_fraction: float = 0.25, seed: int = 0) -> Judge:
-    """Fit the judge; C is chosen by ROC-AUC on a stratified validation split."""
+                folds: int = 4, seed: int = 0) -> Judge:
+    """Fit the judge; C is chosen by mean validation ROC-AUC over stratified folds (fewer when a
+    class is rarer than ``folds``), then the model is refit on everything."""
     from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import roc_auc_score
-    from sklearn.model_selection import train_test_split
+    from sklearn.model_selection import StratifiedKFold, cross_val_score
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     x = np.asarray([m.features for m in mismatches], dtype=np.float32)
     y = np.asarray([m.important for m in mismatches], dtype=int)
-    if len(set(y.tolist())) < 2 or min(np.bincount(y)) < 2:
+    rarest = int(min(np.bincount(y, minlength=2)))
+    if rarest < 2:
         raise ConfigError(f"need at least 2 important and 2 unimportant mismatches to train, got "
                           f"{int(y.sum())} and {int(len(y) - y.sum())}; mine more problems")
 
     def model(c: float):
         return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=5000))
 
-    x_fit, x_val, y_fit, y_val = train_test_split(x, y, test_size=val_fraction, stratify=y, random_state=seed)
-    aucs = {c: float(roc_auc_score(y_val, model(c).fit(x_fit, y_fit).predict_proba(x_val)[:, 1])) for c in Cs}
+    splits = StratifiedKFold(n_splits=min(folds, rarest), shuffle=True, random_state=seed)
+    aucs = {c: float(cross_val_score(model(c), x, y, cv=splits, scoring="roc_auc").mean()) for c in Cs}
     best = max(aucs, key=aucs.get)
     info = {"C": best, "val_auc": aucs[best], "val_auc_by_C": aucs, "n": len(y), "important": int(y.sum()),
-            "features": "target last hidden state", "dim": int(x.shape[1])}
+            "features": "target hidden state scoring the position + after the draft token", "dim": int(x.shape[1])}
     return Judge(model(best).fit(x, y), info)
 
 
@@ -216,21 +230,33 @@ class JudgeCriterion:
 
         def test(j: int) -> bool:
             if j not in cache:
-                cache[j] = float(self.judge.p_important(inp.hidden[j : j + 1])[0])
+                features = inp.hidden[j : j + 2].reshape(1, -1)  # scoring state and state after draft token j
+                cache[j] = float(self.judge.p_important(features)[0])
             return cache[j] < self.threshold
 
         return test
 
 
 class AnyOf:
-    """Accept when any of the criteria accepts ("Auto-Judge + DM")."""
+    """Accept when any of the criteria accepts ("Auto-Judge + DM"). A member's prefetch (DropMatch's
+    fused heads) is passed through."""
 
     def __init__(self, criteria: Sequence):
         self.criteria = list(criteria)
         self.name = "+".join(c.name for c in self.criteria)
 
+    def prefetch(self, hidden: torch.Tensor, sampling, generator) -> Prefetch | None:
+        for i, c in enumerate(self.criteria):
+            if hasattr(c, "prefetch"):
+                inner = c.prefetch(hidden, sampling, generator)
+                return Prefetch(inner.rows, (i, inner))
+        return None
+
     def prepare(self, inp: VerifyInput) -> PositionTest:
-        tests = [c.prepare(inp) for c in self.criteria]  # every criterion draws its randomness up front
+        owner, inner = inp.prefetch.state if inp.prefetch is not None else (None, None)
+        if inner is not None:
+            inner.products = inp.prefetch.products
+        tests = [c.prepare(replace(inp, prefetch=inner if i == owner else None)) for i, c in enumerate(self.criteria)]
         return lambda j: any(t(j) for t in tests)
 
 

@@ -15,6 +15,7 @@ from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .models import CausalLM, ModelPair, _dtype
 from .sampling import SamplingConfig
+from .screened_head import bf16_matmul_supported
 from .verification import Criterion, RelaxedVerification, StandardVerification, VerificationRule
 
 METHODS = ("ar", "sd", "dropmatch", "topk", "typical", "divergence", "judge", "judge+dropmatch")
@@ -86,6 +87,16 @@ class MethodConfig:
         return asdict(self)
 
 
+def default_head_dtype(target: CausalLM) -> torch.dtype:
+    """bfloat16 (float16 for float16 models), except float32 on CPUs without native bfloat16 GEMMs."""
+    weight = target.head_weight
+    if weight.dtype == torch.float16:
+        return torch.float16
+    if weight.device.type == "cpu" and not bf16_matmul_supported():
+        return torch.float32
+    return torch.bfloat16
+
+
 def build_criterion(target: CausalLM, config: MethodConfig) -> Criterion | None:
     if config.method.startswith("judge"):
         from .judge import AnyOf, Judge, JudgeCriterion
@@ -97,7 +108,7 @@ def build_criterion(target: CausalLM, config: MethodConfig) -> Criterion | None:
     if config.method == "dropmatch":
         dtype = _dtype(config.head_dtype, target.device) if config.head_dtype else None
         if dtype is None:
-            dtype = torch.float16 if target.head_weight.dtype == torch.float16 else torch.bfloat16
+            dtype = default_head_dtype(target)
         head = DropoutHead(target.head_weight, config.k, config.p_drop, compute_dtype=dtype,
                            softcap=target.softcap, weight_in_compute_dtype=target.head_weight_as(dtype))
         return DropMatch(head, config.criterion, config.majority)
@@ -153,12 +164,26 @@ class Decoder:
 
 
 class StopOnText:
-    """True once the decoded tail of the output contains one of ``stop`` (checked on the last
-    ``window`` tokens, enough for any stop string plus one speculative step)."""
+    """Stop strings for :func:`~dropmatch.engine.generate`: once the decoded tail of the output (its
+    last ``window`` tokens, enough for any stop string plus one speculative step) contains one of
+    ``stop``, returns the length of the shortest output prefix that does; else ``None``."""
 
     def __init__(self, decode, stop: Sequence[str], window: int = 48):
         self.decode, self.stop, self.window = decode, tuple(s for s in stop if s), window
 
-    def __call__(self, output_ids: list[int]) -> bool:
-        tail = self.decode(output_ids[-self.window :])
+    def _contains(self, ids: Sequence[int]) -> bool:
+        tail = self.decode(list(ids))
         return any(s in tail for s in self.stop)
+
+    def __call__(self, output_ids: list[int]) -> int | None:
+        start = max(0, len(output_ids) - self.window)
+        if not self._contains(output_ids[start:]):
+            return None
+        low, high = start, len(output_ids)  # output[start:high] contains a stop, output[start:low] does not
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self._contains(output_ids[start:mid]):
+                high = mid
+            else:
+                low = mid
+        return high

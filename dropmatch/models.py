@@ -64,7 +64,21 @@ class CausalLM:
         """Screen greedy heads in bfloat16 on CPUs with native bf16 GEMMs, for large fp32 heads."""
         weight = self.lm_head.weight
         return (not callable(weight) and weight.dtype == torch.float32 and weight.device.type == "cpu"
-                and weight.shape[0] >= 32768 and bf16_matmul_supported())
+                and getattr(self.lm_head, "bias", None) is None and weight.shape[0] >= 32768
+                and bf16_matmul_supported())
+
+    def check_split(self) -> None:
+        """Refuse a model whose logits are not ``lm_head(trunk(ids))`` (plus Gemma-2 soft-capping):
+        architectures that scale hidden states or logits in between would be verified wrongly."""
+        ids = torch.tensor([[self.model.config.bos_token_id or 0, 5, 6, 7]], device=self.device) % self.vocab_size
+        with torch.inference_mode():
+            expected = self.model(input_ids=ids).logits[0, :, : self.vocab_size].float()
+            split = self.head(self.trunk(input_ids=ids).last_hidden_state[0])
+        if not torch.allclose(expected, split, atol=1e-2 * (1 + float(expected.abs().max())), rtol=1e-2):
+            raise ConfigError(
+                f"{type(self.model).__name__} does not compute its logits as lm_head(last hidden state): "
+                "DropMatch puts dropout on the head's input and needs that split; this architecture is not supported"
+            )
 
     @property
     def device(self) -> torch.device:
@@ -196,6 +210,8 @@ def load_pair(
         device: ``cpu``, ``cuda``... (default: CUDA when present).
         need_draft: load the draft model (False for the n-gram drafter or plain decoding).
     """
+    if device is None and pair == GEMMA_PAIR and target is None:
+        device = "cpu"  # its int8 draft runs on CPU only
     device = torch.device(device) if device is not None else default_device()
     if target is not None or draft is not None:
         if target is None:
@@ -258,13 +274,14 @@ def _load_hub_pair(target_id: str, draft_id: str | None, dtype: torch.dtype, dev
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = _from_pretrained(AutoTokenizer, target_id)
-    target_model = _from_pretrained(AutoModelForCausalLM, target_id, dtype=dtype).to(device)
+    target_model = _from_pretrained(AutoModelForCausalLM, target_id, dtype=dtype, device_map=device)
     draft_model = None
     if draft_id is not None:
         draft_tokenizer = _from_pretrained(AutoTokenizer, draft_id)
         check_same_tokenizer(tokenizer, draft_tokenizer, target_id, draft_id)
-        draft_model = _from_pretrained(AutoModelForCausalLM, draft_id, dtype=dtype).to(device)
+        draft_model = _from_pretrained(AutoModelForCausalLM, draft_id, dtype=dtype, device_map=device)
     target_lm, draft_lm = pair_vocabularies(target_model, draft_model, len(tokenizer), target_id, draft_id)
+    target_lm.check_split()
     return ModelPair(target_lm, draft_lm, tokenizer, f"{target_id} / {draft_id}")
 
 

@@ -31,21 +31,26 @@ from .tasks import Example, chat_prompt, cut_output, generation_defaults, load_t
 from .tasks.llm_judge import JudgeEndpoint, judge_example, load_judge_prompts
 
 
-def read_results(path: Path) -> list[dict]:
-    """Records already in ``path``; a torn last line is removed from the file."""
+def read_results(path: Path, repair: bool = True) -> list[dict]:
+    """Records in ``path``. A torn last line (a writer killed mid-line) is skipped and, with
+    ``repair`` (the writer resuming), cut off the file; a corrupt line before the last is an error."""
+    path = Path(path)
     if not path.exists():
         return []
     data = path.read_bytes()
+    lines = data.splitlines(keepends=True)
     records, good_end = [], 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
+    for n, line in enumerate(lines):
         try:
+            if not line.endswith(b"\n"):
+                raise json.JSONDecodeError("no newline", line.decode("utf-8", "replace"), len(line))
             records.append(json.loads(line))
         except json.JSONDecodeError:
+            if n < len(lines) - 1:
+                raise ConfigError(f"{path}: line {n + 1} is corrupt (not the last line, so not a torn write)") from None
             break
         good_end += len(line)
-    if good_end < len(data):
+    if repair and good_end < len(data):
         with path.open("r+b") as f:
             f.truncate(good_end)
     return records
@@ -71,6 +76,11 @@ def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
     return total
 
 
+def model_identity(pair) -> str:
+    """What a result depends on besides the method: the pair's name and the target's dtype."""
+    return f"{pair.name}|{pair.target.head_weight.dtype}"
+
+
 class GreedyReference:
     """The target's greedy output for a prompt (decoded by lossless greedy SD: identical, faster),
     optionally cached in a JSON-lines file shared by every run that compares against it."""
@@ -79,23 +89,24 @@ class GreedyReference:
         config = MethodConfig("sd" if pair.draft is not None else "ar")
         self.decoder = Decoder(pair, config, SamplingConfig())
         self.stop, self.max_new_tokens = tuple(stop), max_new_tokens
+        self.identity = model_identity(pair)
         self.cache = Path(cache) if cache else None
         self._known = {r["key"]: r for r in read_results(self.cache)} if self.cache else {}
 
-    def key(self, prompt: str) -> str:
-        digest = hashlib.sha1(f"{self.max_new_tokens}|{self.stop}|{prompt}".encode()).hexdigest()
-        return digest[:20]
+    def key(self, prompt_ids: Sequence[int]) -> str:
+        text = f"{self.identity}|{self.max_new_tokens}|{self.stop}|{list(prompt_ids)}"
+        return hashlib.sha1(text.encode()).hexdigest()[:20]
 
-    def __call__(self, prompt: str) -> list[int]:
+    def __call__(self, prompt: str | Sequence[int]) -> list[int]:
         return self.lookup(prompt)["token_ids"]
 
-    def lookup(self, prompt: str) -> dict:
-        """``{"token_ids": greedy output, "nll": its target NLL per token}`` for ``prompt``."""
-        key = self.key(prompt)
+    def lookup(self, prompt: str | Sequence[int]) -> dict:
+        """``{"token_ids": greedy output, "nll": its target NLL per token}`` after ``prompt`` (text or ids)."""
+        ids_in = self.decoder.pair.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        key = self.key(ids_in)
         if key not in self._known:
-            ids = self.decoder.generate(prompt, max_new_tokens=self.max_new_tokens, stop=self.stop).token_ids
-            record = {"key": key, "token_ids": ids,
-                      "nll": target_nll(self.decoder.pair.target, self.decoder.pair.encode(prompt), ids)}
+            ids = self.decoder.generate(ids_in, max_new_tokens=self.max_new_tokens, stop=self.stop).token_ids
+            record = {"key": key, "token_ids": ids, "nll": target_nll(self.decoder.pair.target, ids_in, ids)}
             self._known[key] = record
             if self.cache:
                 self.cache.parent.mkdir(parents=True, exist_ok=True)
@@ -120,8 +131,14 @@ class TaskRunner:
         self.reference = (GreedyReference(decoder.pair, self.stop, self.max_new_tokens, reference_cache)
                           if fidelity else None)
 
-    def _turns(self, decoder: Decoder, example: Example) -> tuple[list[str], list[list[int]], list, list[str]]:
-        """Prompts, output ids, stats and cut texts of each turn (one turn for single-prompt tasks)."""
+    def encode(self, pair, prompt: str) -> list[int]:
+        """Prompt ids; a chat template already holds the BOS token, so none is added then."""
+        if self.chat_template:
+            return list(pair.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return pair.encode(prompt)
+
+    def _turns(self, decoder: Decoder, example: Example) -> tuple[list[list[int]], list[list[int]], list, list[str]]:
+        """Prompt ids, output ids, stats and cut texts of each turn (one turn for single-prompt tasks)."""
         prompts, outputs, stats, texts = [], [], [], []
         n_turns = len(example.turns) if example.turns else 1
         for turn in range(n_turns):
@@ -130,9 +147,9 @@ class TaskRunner:
                                      use_chat_template=self.chat_template)
             else:
                 prompt = example.prompt
-            result = decoder.generate(prompt, max_new_tokens=self.max_new_tokens, seed=self.seed + turn,
-                                      stop=self.stop)
-            prompts.append(prompt)
+            ids = self.encode(decoder.pair, prompt)
+            result = decoder.generate(ids, max_new_tokens=self.max_new_tokens, seed=self.seed + turn, stop=self.stop)
+            prompts.append(ids)
             outputs.append(result.token_ids)
             stats.append(result.stats)
             texts.append(cut_output(self.task, decoder.pair.decode(result.token_ids)))
@@ -142,6 +159,7 @@ class TaskRunner:
         prompts, outputs, stats, texts = self._turns(self.decoder, example)
         record = {
             "id": example.id, "task": self.task, "method": self.decoder.config.label,
+            "model": model_identity(self.decoder.pair),
             "output": texts if example.turns else texts[0],
             "score": score(example, texts[-1]) if not example.turns else score(example, "\n".join(texts)),
             "stats": merge_stats(stats).to_dict(), "seed": self.seed,
@@ -153,11 +171,13 @@ class TaskRunner:
         if self.reference is not None:
             greedy = [self.reference.lookup(p) for p in prompts]
             pair = self.decoder.pair
-            per_turn = [compare_to_greedy(pair.target, pair.encode(p), out, ref["token_ids"], ref["nll"]).to_dict()
+            per_turn = [compare_to_greedy(pair.target, p, out, ref["token_ids"], ref["nll"]).to_dict()
                         for p, out, ref in zip(prompts, outputs, greedy, strict=True)]
+            diverged = [(t, f["first_divergence"]) for t, f in enumerate(per_turn) if f["first_divergence"] is not None]
             record["fidelity"] = {
                 "exact_match": all(f["exact_match"] for f in per_turn),
-                "first_divergence": per_turn[0]["first_divergence"],
+                "first_divergence": diverged[0][1] if diverged else None,
+                "first_divergence_turn": diverged[0][0] if diverged else None,
                 "nll": sum(f["nll"] for f in per_turn) / len(per_turn),
                 "greedy_nll": sum(f["greedy_nll"] for f in per_turn) / len(per_turn),
                 "turns": per_turn,
@@ -173,26 +193,33 @@ def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     examples = load_task(task, data_dir=data_dir, limit=limit)
-    done = read_results(out)
     label = decoder.config.label
-    for record in done:
-        if record.get("method") != label or record.get("task") != task or record.get("seed") != seed:
+    runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
+                        chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge)
+    wanted = {"task": task, "method": label, "model": model_identity(decoder.pair), "seed": seed,
+              "config": decoder.config.to_dict(), "sampling": asdict(decoder.sampling),
+              "max_new_tokens": runner.max_new_tokens}
+    done_by_id: dict[str, dict] = {}
+    for record in read_results(out):
+        differs = [k for k, v in wanted.items() if record.get(k) != v]
+        if differs:
             raise ConfigError(
-                f"{out} already holds results of another run ({record.get('task')}, {record.get('method')}, "
-                f"seed {record.get('seed')}); this run is {task}, {label}, seed {seed}. Use another --out."
+                f"{out} already holds results of another run (different {', '.join(differs)}: "
+                f"{', '.join(f'{k}={record.get(k)!r}' for k in differs[:3])}); this run is {task}, {label}, "
+                f"{wanted['model']}. Use another --out."
             )
+        if fidelity and "fidelity" not in record:
+            raise ConfigError(f"{out} holds results without fidelity; use another --out for a run with --fidelity")
+        done_by_id.setdefault(record["id"], record)
     env_path = out.with_suffix(out.suffix + ".env.json")
     if not env_path.exists():
         env_path.write_text(json.dumps(environment_record(decoder.pair.target.device), indent=1))
-    finished = {r["id"] for r in done}
-    todo = [e for e in examples if e.id not in finished]
-    runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
-                        chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge)
+    todo = [e for e in examples if e.id not in done_by_id]
     bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"{task} {label}", disable=not progress)
     for example in todo:
         record = runner.run_example(example)
         append_result(out, record)
-        done.append(record)
+        done_by_id[example.id] = record
         bar.update(1)
     bar.close()
-    return done
+    return [done_by_id[e.id] for e in examples]  # this run's examples, in order, each once

@@ -4,7 +4,7 @@ On the embedded pair the LM head (262,144 x 640) is over half of a verify step, 
 with L + 1 = 6 rows runs at a fraction of the memory bandwidth on this CPU while a bfloat16 GEMM
 (AMX) reads half the bytes at full speed. :class:`ScreenedHead` computes every logit in bfloat16,
 bounds the error of each one rigorously, and recomputes in float32 every token that could be the
-maximum (plus the ``refine_top`` largest), so that
+maximum (and every token within ``refine_margin`` nats of it), so that
 
 * the argmax equals the float32 argmax (greedy verification stays exact), and
 * the most likely tokens carry float32 values; the others are off by at most their bound

@@ -57,6 +57,11 @@ def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dic
         rows.append(row)
     for row in rows:
         base = [b for b in rows if b["task"] == row["task"] and _is_baseline(b["method"], baseline)]
+        if len(base) > 1:  # e.g. sd@L5 and sd@L10: compare with the one at the same draft length
+            base = [b for b in base if _draft_length(b["method"]) == _draft_length(row["method"])] or base[:0]
+        if len(base) > 1:
+            raise ValueError(f"baseline {baseline!r} matches several runs of {row['task']}: "
+                             f"{', '.join(b['method'] for b in base)}; name one exactly")
         row["speedup"] = row["tokens/s"] / base[0]["tokens/s"] if base else float("nan")
     return rows
 
@@ -65,10 +70,14 @@ def _is_baseline(method: str, baseline: str) -> bool:
     return method == baseline or method.startswith(baseline + "@") or method.startswith(baseline + "(")
 
 
+def _draft_length(method: str) -> str | None:
+    return method.rsplit("@", 1)[1] if "@" in method else None
+
+
 COLUMNS = ["task", "method", "n", "tau", "tokens/s", "speedup", "score", "mean", "ci95", "exact_match_rate",
            "nll", "greedy_nll"]
 
 
 def summarize_files(paths: Sequence[str | Path], baseline: str = "sd") -> list[dict]:
-    records = [r for p in paths for r in read_results(Path(p))]
+    records = [r for p in paths for r in read_results(Path(p), repair=False)]
     return summarize_records(records, baseline)

@@ -181,8 +181,8 @@ class RelaxedVerification:
         return ask(hidden, sampling, generator) if ask else None
 
     def verify(self, inp: VerifyInput) -> Verdict:
+        test = self.criterion.prepare(inp)  # first: the same draw order as when the engine prefetched
         std = _standard(inp)
-        test = self.criterion.prepare(inp)
         extra = evaluations = 0
         for j in range(inp.n_draft):
             standard_ok = bool(std.accepts[j])

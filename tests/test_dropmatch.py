@@ -97,6 +97,18 @@ def test_naive_and_majority_by_hand():
     assert not majority_accepts(tokens, 2, "plurality")
 
 
+def test_plurality_with_a_draft_id_above_every_head_token():
+    assert not majority_accepts(torch.tensor([3, 3, 5]), 200, "plurality")
+    assert not majority_accepts(torch.tensor([3, 3, 5]), 200, "strict")
+
+
+def test_identical_heads_have_radius_exactly_zero():
+    heads = torch.randn(1, 50).expand(5, -1).clone()
+    centroid_dist = torch.softmax(heads[0], -1)
+    assert js_accepts(heads, centroid_dist, GREEDY)  # JS(c || c) = 0 <= radius 0
+    assert not js_accepts(heads, torch.softmax(heads[0] + 1e-3 * torch.arange(50.0), -1), GREEDY)
+
+
 def test_majority_ties():
     tokens = torch.tensor([4, 4, 7, 7])  # K = 4, a 2-2 tie
     assert not majority_accepts(tokens, 4, "strict")  # 2 is not more than K/2
@@ -159,6 +171,7 @@ def _reference_verdict(dm: DropMatch, inp: VerifyInput, seed: int) -> tuple[int,
     inp = VerifyInput(inp.draft_tokens, inp.draft_probs, inp.target_logits, inp.hidden, inp.sampling,
                       torch.Generator().manual_seed(seed), inp.draft_logits)
     n = inp.n_draft
+    masks, head_uniforms = dm.draw(inp)  # the criterion draws first, then the standard rule
     if inp.sampling.greedy:
         standard = (inp.draft_tokens == inp.target_logits[:n].argmax(-1)).tolist()
     else:
@@ -166,7 +179,6 @@ def _reference_verdict(dm: DropMatch, inp: VerifyInput, seed: int) -> tuple[int,
         p = inp.sampling.probs(inp.target_logits)
         standard = [bool(uniforms[j] * inp.draft_probs[j, inp.draft_tokens[j]] < p[j, inp.draft_tokens[j]])
                     for j in range(n)]
-    masks, head_uniforms = dm.draw(inp)
     decisions = []
     for j in range(n):
         heads = dm.head.logits(inp.hidden[j : j + 1], inp.target_logits[j : j + 1], masks[j : j + 1])[0]

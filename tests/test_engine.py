@@ -112,6 +112,22 @@ def test_stops_at_eos_and_never_past_it(tiny):
         assert sum(s.accepted_per_step) + s.target_tokens == s.new_tokens == len(cut)
 
 
+def test_stop_strings_cut_to_what_plain_decoding_emits(tiny):
+    """A speculative step that overshoots a stop string is cut back, statistics included."""
+    from dropmatch.methods import Decoder, MethodConfig
+
+    prompt = random_prompt(6)
+    free = tiny.decode(generate(tiny.target, prompt, max_new_tokens=60).token_ids)
+    stop = next(c for c in free[10:] if c.isascii() and c.isprintable())
+    plain = Decoder(tiny, MethodConfig("ar")).generate(prompt, max_new_tokens=60, stop=[stop]).token_ids
+    assert stop in tiny.decode(plain) and stop not in tiny.decode(plain[:-1])
+    for config in (MethodConfig("sd", draft_len=3), MethodConfig("sd", draft_len=7), MethodConfig("sd", draft="ngram")):
+        result = Decoder(tiny, config).generate(prompt, max_new_tokens=60, stop=[stop])
+        assert result.token_ids == plain
+        s = result.stats
+        assert sum(s.accepted_per_step) + s.target_tokens == s.new_tokens == len(plain)
+
+
 def test_same_seed_same_output_different_seeds_differ(tiny):
     sampling = SamplingConfig(temperature=1.0, top_p=0.95)
     prompt = random_prompt(2)

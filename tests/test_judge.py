@@ -30,7 +30,7 @@ def test_mining_finds_every_mismatch_when_all_are_important(tiny):
     assert [m.position for m in found] == expected
     assert all(m.important for m in found)
     assert [m.target_token for m in found] == [reference[i] for i in expected]
-    assert all(len(m.features) == 64 for m in found)
+    assert all(len(m.features) == 2 * 64 for m in found)  # scoring state + state after the draft token
 
 
 def test_mining_swaps_in_unimportant_tokens(tiny):
@@ -74,6 +74,13 @@ def test_judge_round_trips_through_its_file(tmp_path):
     assert loaded.info == judge.info
 
 
+def test_judge_trains_with_few_labels():
+    """Cross-validation folds shrink to the rarer class instead of failing on a one-class split."""
+    judge = train_judge(_separable(n=40)[:7] + [Mismatch("p", 99, 0, 1, True, [3.0] * 16),
+                                                 Mismatch("p", 98, 0, 1, False, [-3.0] * 16)])
+    assert 0.0 <= judge.info["val_auc"] <= 1.0
+
+
 def test_judge_errors(tmp_path):
     with pytest.raises(ConfigError, match="important"):
         train_judge([Mismatch("p", i, 0, 1, True, [0.0, 1.0]) for i in range(10)])
@@ -87,7 +94,7 @@ def test_judge_errors(tmp_path):
 def tiny_judge_path(tiny, tmp_path_factory):
     """A judge trained on features of the tiny target's own hidden size."""
     rng = np.random.default_rng(1)
-    mismatches = [Mismatch("p", i, 0, 1, bool(i % 2), (rng.normal(size=64) + (i % 2)).tolist()) for i in range(80)]
+    mismatches = [Mismatch("p", i, 0, 1, bool(i % 2), (rng.normal(size=128) + (i % 2)).tolist()) for i in range(80)]
     path = tmp_path_factory.mktemp("judge") / "tiny.joblib"
     train_judge(mismatches).save(path)
     return str(path)

@@ -83,3 +83,25 @@ def test_bootstrap_interval():
     low, high = bootstrap_ci([0, 1] * 50)
     assert low < 0.5 < high and high - low < 0.25
     assert bootstrap_ci([1.0] * 10) == (1.0, 1.0)
+
+
+def test_resume_refuses_a_different_budget_and_returns_only_this_runs_examples(tiny, tmp_path):
+    out = tmp_path / "r.jsonl"
+    decoder = Decoder(tiny, MethodConfig("sd"))
+    assert len(run_task(decoder, "klue_nli", out, limit=3, max_new_tokens=4, progress=False)) == 3
+    assert [r["id"] for r in run_task(decoder, "klue_nli", out, limit=2, max_new_tokens=4, progress=False)] == \
+        [r["id"] for r in read_results(out)[:2]]
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        run_task(decoder, "klue_nli", out, limit=3, max_new_tokens=5, progress=False)
+
+
+def test_summary_speedup_uses_the_baseline_at_the_same_draft_length():
+    def record(method, tps):
+        return {"task": "gsm8k", "method": method, "score": {"exact_match": 0.0},
+                "stats": {"new_tokens": 10, "target_calls": 5, "tokens_per_s": tps}}
+
+    from dropmatch.summarize import summarize_records
+
+    rows = {r["method"]: r for r in summarize_records([record("sd@L5", 10.0), record("sd@L10", 20.0),
+                                                        record("dropmatch(x)@L5", 15.0)])}
+    assert rows["dropmatch(x)@L5"]["speedup"] == 1.5 and rows["sd@L10"]["speedup"] == 1.0

@@ -217,7 +217,8 @@ def _kill_all(proc: subprocess.Popen, marker: str) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
-    proc.wait()
+    with contextlib.suppress(subprocess.TimeoutExpired):  # never hang the caller on an unkillable child
+        proc.wait(timeout=30)
     proc.stdout.close()
     proc.stderr.close()
 

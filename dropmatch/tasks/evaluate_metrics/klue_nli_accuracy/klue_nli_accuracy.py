@@ -3,21 +3,7 @@ as an `evaluate` metric over dropmatch.tasks.metrics. references: gold labels in
 Returns {"accuracy"}.
 """
 
-import datasets
-import evaluate
-
 from dropmatch.tasks import metrics
+from dropmatch.tasks.evaluate_metrics.text_metric import text_metric
 
-
-class KlueNliAccuracy(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(
-            description=__doc__, citation="Park et al., 2021, arXiv:2105.09680", inputs_description=__doc__,
-            features=datasets.Features({"predictions": datasets.Value("string"),
-                                        "references": datasets.Value("string")}),
-        )
-
-    def _compute(self, predictions, references):
-        scores = [{"accuracy": metrics.nli_accuracy(metrics.cut_output("klue_nli", p), r)}
-                  for p, r in zip(predictions, references, strict=True)]
-        return metrics.aggregate(scores)
+KlueNliAccuracy = text_metric("klue_nli", "accuracy", metrics.nli_accuracy, "Park et al., 2021, arXiv:2105.09680", __doc__)
