@@ -212,6 +212,25 @@ def train_judge(mismatches: Sequence[Mismatch], Cs: Sequence[float] = (0.001, 0.
     return Judge(model(best).fit(x, y), info)
 
 
+def thresholds_for_shares(judge: Judge, mismatches: Sequence[Mismatch], shares: Sequence[float]) -> list[float]:
+    """Thresholds at which the judge accepts (P(important) < t) at least each share of ``mismatches``.
+
+    AutoJudge sets its threshold for a target recall rather than as a raw probability: a judge's
+    probabilities sit near the base rate of important mismatches, so fixed cut-offs such as 0.05 can
+    accept nothing. ``shares`` in [0, 1]; share 0 gives threshold 0 (exact match).
+    """
+    if not mismatches:
+        raise ConfigError("no mined mismatches to set thresholds on; mine more problems")
+    if any(not 0 <= s <= 1 for s in shares):
+        raise ConfigError(f"acceptance shares must be in [0, 1], got {list(shares)}")
+    p = np.sort(judge.p_important(np.asarray([m.features for m in mismatches], dtype=np.float32)))
+    out = []
+    for s in shares:
+        n = int(np.ceil(s * len(p)))
+        out.append(0.0 if n == 0 else min(1.0, float(np.nextafter(p[n - 1], np.inf))))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # As a verification criterion
 

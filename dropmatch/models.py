@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -370,8 +371,10 @@ def load_gemma_pair(device: torch.device | None = None, need_draft: bool = True)
 
     device = device or torch.device("cpu")
     weights = gemma_weights_dir()
-    tokenizer = AutoTokenizer.from_pretrained(weights)
-    target = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).to(device).eval()
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the 262k-entry tokenizer parses while the model loads
+        tokenizer_job = pool.submit(AutoTokenizer.from_pretrained, weights)
+        target = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).to(device).eval()
+        tokenizer = tokenizer_job.result()
     draft = None
     if need_draft:
         if device.type != "cpu":
@@ -385,18 +388,28 @@ def load_gemma_pair(device: torch.device | None = None, need_draft: bool = True)
 
 
 def int8_draft(target: nn.Module) -> nn.Module:
-    """A dynamically int8-quantized copy of ``target`` with its LM head untied and quantized too."""
-    draft = copy.deepcopy(target)
-    head = draft.get_output_embeddings()
+    """A dynamically int8-quantized copy of ``target`` with its LM head untied and quantized too.
+
+    The float input embedding is shared with ``target`` (neither writes to it); the LM head, the
+    largest matrix, is quantized in a second thread while the layers are.
+    """
+    from torch.ao.quantization import quantize_dynamic
+
+    embedding = target.get_input_embeddings().weight
+    head = target.get_output_embeddings()
+    draft = copy.deepcopy(target, memo={id(embedding): embedding, id(head): head})
     untied = nn.Linear(head.in_features, head.out_features, bias=False)
-    untied.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-    draft.set_output_embeddings(untied)
-    draft.config.tie_word_embeddings = False
+    untied.weight = nn.Parameter(head.weight.detach(), requires_grad=False)  # quantization reads, never writes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from torch.ao.quantization import quantize_dynamic
-
-        return quantize_dynamic(draft, {nn.Linear}, dtype=torch.qint8).eval()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            head_job = pool.submit(quantize_dynamic, nn.Sequential(untied), {nn.Linear}, dtype=torch.qint8,
+                                   inplace=True)
+            draft.set_output_embeddings(nn.Identity())  # replaced below; keeps the layers' pass off the head
+            draft = quantize_dynamic(draft, {nn.Linear}, dtype=torch.qint8, inplace=True)
+            draft.set_output_embeddings(head_job.result()[0])
+    draft.config.tie_word_embeddings = False
+    return draft.eval()
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ def side_by_side(results_dir: str | Path, overhead: pd.DataFrame | None, p_equal
                          "paper": r["paper tau gain"], "ours": r["our tau gain"]})
             rows.append({"comparison": f"speedup SD+DM over SD, {r.task}, L={r.L}",
                          "paper": r["paper speedup DM/SD"], "ours": r["our speedup DM/SD"]})
+            rows.append({"comparison": f"quality cost of SD+DM, {r.task}, L={r.L} "
+                                       "(paper: accuracy change, points; ours: NLL increase, nats/token)",
+                         "paper": r["paper accuracy change"], "ours": r["our delta NLL"]})
     korean = read_table(results_dir, "table10_korean.csv")
     if korean is not None and (korean["task"] == "komt_bench").any():
         k = korean[korean["task"] == "komt_bench"].set_index("name")
@@ -86,6 +89,7 @@ def side_by_side(results_dir: str | Path, overhead: pd.DataFrame | None, p_equal
                          "paper": "1.06-1.29 (Table 8)",
                          "ours": float(both["tokens/s"].iloc[0] / aj["tokens/s"].iloc[0])})
     table = pd.DataFrame(rows, columns=["comparison", "paper", "ours"])
+    table["paper"] = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in table["paper"]]
     table["paper setup"] = PAPER_SETUP
     table["our setup"] = our_setup
     return table

@@ -16,7 +16,7 @@ import numpy as np
 
 from .runner import read_results
 
-PRIMARY_SCORE = {"gsm8k": "exact_match", "mmlu": "accuracy", "humaneval": "pass@1", "ifeval": "prompt_level_strict",
+PRIMARY_SCORE = {"gsm8k": "exact_match", "mmlu": "accuracy", "humaneval": "pass@1", "ifeval": "prompt_level_strict_acc",
                  "klue_nli": "accuracy", "mt_bench": "output_chars", "komt_bench": "output_chars",
                  "kullm": "output_chars"}
 
@@ -44,6 +44,9 @@ def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dic
         if any("judge_score" in r["score"] for r in rs):  # an LLM judge graded this run
             key = "judge_score"
         scores = [r["score"][key] for r in rs if key in r["score"]]
+        if key is not None and not scores and any(r["score"] for r in rs):
+            raise ValueError(f"{task}/{method}: no record has the score {key!r}; "
+                             f"the records have {sorted(rs[0]['score'])}")
         low, high = bootstrap_ci(scores)
         row = {"task": task, "method": method, "n": len(rs), "tau": tokens / calls if calls else float("nan"),
                "tokens/s": float(np.mean([r["stats"]["tokens_per_s"] for r in rs])),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dropmatch.errors import ConfigError
-from dropmatch.judge import Judge, Miner, Mismatch, mine, train_judge
+from dropmatch.judge import Judge, Miner, Mismatch, mine, thresholds_for_shares, train_judge
 from dropmatch.methods import Decoder, MethodConfig
 
 from .conftest import random_prompt
@@ -79,6 +79,20 @@ def test_judge_trains_with_few_labels():
     judge = train_judge(_separable(n=40)[:7] + [Mismatch("p", 99, 0, 1, True, [3.0] * 16),
                                                  Mismatch("p", 98, 0, 1, False, [-3.0] * 16)])
     assert 0.0 <= judge.info["val_auc"] <= 1.0
+
+
+def test_thresholds_for_shares_accept_those_shares_of_the_mined_mismatches():
+    mismatches = _separable()
+    judge = train_judge(mismatches)
+    p = judge.p_important(np.asarray([m.features for m in mismatches], dtype=np.float32))
+    shares = [0.0, 0.1, 0.5, 0.9, 1.0]
+    thresholds = thresholds_for_shares(judge, mismatches, shares)
+    assert thresholds[0] == 0.0 and thresholds == sorted(thresholds)
+    for share, t in zip(shares, thresholds, strict=True):
+        accepted = float(np.mean(p < t))
+        assert share <= accepted <= share + 1.5 / len(p)  # ties aside, exactly the share rounded up
+    with pytest.raises(ConfigError, match="shares"):
+        thresholds_for_shares(judge, mismatches, [1.5])
 
 
 def test_judge_errors(tmp_path):

@@ -41,4 +41,8 @@ def test_side_by_side_uses_what_exists(tmp_path):
     assert by["KoMT-bench tau gain SD+DM over SD"] == pytest.approx(0.5)
     assert by["head overhead, K=5 JS (% of the verify step)"] == 12.5
     assert "tau gain SD+DM over SD, gsm8k, L=10" in by
+    paper = dict(zip(table.comparison, table.paper, strict=True))
+    quality = next(c for c in by if c.startswith("quality cost of SD+DM, gsm8k, L=5"))
+    assert by[quality] == pytest.approx(0.1) and paper[quality] == f"{94.29 - 94.69:.3f}"
+    assert paper["tau gain SD+DM over SD, gsm8k, L=5"] == f"{5.50 / 4.97 - 1:.3f}"
     assert report.side_by_side(tmp_path / "missing", None, 0.03, "ours").empty

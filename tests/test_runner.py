@@ -105,3 +105,27 @@ def test_summary_speedup_uses_the_baseline_at_the_same_draft_length():
     rows = {r["method"]: r for r in summarize_records([record("sd@L5", 10.0), record("sd@L10", 20.0),
                                                         record("dropmatch(x)@L5", 15.0)])}
     assert rows["dropmatch(x)@L5"]["speedup"] == 1.5 and rows["sd@L10"]["speedup"] == 1.0
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "mmlu", "humaneval", "ifeval", "klue_nli", "mt_bench", "komt_bench",
+                                  "kullm"])
+def test_summary_headline_score_is_one_the_task_metric_produces(task):
+    from dropmatch.summarize import PRIMARY_SCORE, summarize_records
+    from dropmatch.tasks import load_task, score
+
+    example = load_task(task, limit=1)[0]
+    result = score(example, "The answer is A.\n#### 3")
+    assert PRIMARY_SCORE[task] in result
+    record = {"task": task, "method": "sd", "score": result,
+              "stats": {"new_tokens": 4, "target_calls": 2, "tokens_per_s": 1.0}}
+    (row,) = summarize_records([record])
+    assert row["mean"] == result[PRIMARY_SCORE[task]]
+
+
+def test_summary_refuses_a_missing_headline_score():
+    from dropmatch.summarize import summarize_records
+
+    record = {"task": "gsm8k", "method": "sd", "score": {"something_else": 1.0},
+              "stats": {"new_tokens": 4, "target_calls": 2, "tokens_per_s": 1.0}}
+    with pytest.raises(ValueError, match="exact_match"):
+        summarize_records([record])
