@@ -9,7 +9,7 @@ PRESET ?= default
 # Extra papermill parameters for `make reproduce`, e.g. ARGS="-p max_new_tokens 32"
 ARGS   ?=
 
-.PHONY: install test lint reproduce bench-engine bench-dropmatch clean
+.PHONY: install test lint reproduce bench-engine bench-dropmatch gpu-check clean
 
 install: $(STAMP)
 
@@ -34,6 +34,9 @@ bench-engine: $(STAMP)
 
 bench-dropmatch: $(STAMP)
 	$(PY) -m dropmatch.benchmarks.dropmatch_overhead
+
+gpu-check: $(STAMP)
+	$(PY) -m dropmatch.benchmarks.gpu_check
 
 clean:
 	rm -rf results .pytest_cache .ruff_cache
