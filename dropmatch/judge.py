@@ -92,12 +92,8 @@ class Miner:
         return self.answer(self.pair.decode(answer_ids[: _stop_index(self.pair.decode, answer_ids, self.stop)]))
 
     def _teacher_forced(self, prompt: list[int], answer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft argmax (n,) and target hidden states (n + 1, d) over ``answer_ids``: row i scores
-        answer token i, row i + 1 has consumed it."""
-        _, _, draft_logits = teacher_forced(self.pair, prompt, answer_ids)
-        ids = torch.tensor([prompt + answer_ids], device=self.pair.target.device)
-        with torch.inference_mode():
-            hidden = self.pair.target.trunk(input_ids=ids).last_hidden_state[0, len(prompt) - 1 :]
+        """Draft argmax (n,) and target hidden states (n, d) at the positions scoring ``answer_ids``."""
+        hidden, _, draft_logits = teacher_forced(self.pair, prompt, answer_ids)
         return draft_logits.argmax(-1).cpu(), hidden.float().cpu()
 
     def _state_after(self, ids: list[int]) -> torch.Tensor:
