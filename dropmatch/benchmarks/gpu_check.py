@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..dropmatch_criteria import decide
 from ..dropout_head import DropoutHead
+from ..models import ModelPair
 from ..sampling import SamplingConfig
 from .common import format_table, machine_line
 
@@ -63,15 +64,17 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
     return sorted(times)[len(times) // 2]
 
 
-def cuda_matches_cpu(max_new_tokens: int = 32) -> bool | None:
-    """Whether DropMatch gives the same tokens on CUDA as on CPU for the tiny pair; None without CUDA."""
+def cuda_matches_cpu(pair: ModelPair | None = None, prompt: list[int] | None = None,
+                     max_new_tokens: int = 32) -> bool | None:
+    """Whether DropMatch gives the same tokens on CUDA as on CPU for ``pair`` (default: the tiny
+    random pair, loaded on the CPU; it is moved to CUDA); None without CUDA."""
     if not torch.cuda.is_available():
         return None
     from ..methods import Decoder, MethodConfig
     from ..models import load_pair
 
-    pair = load_pair("tiny", device="cpu")
-    prompt = pair.encode("Speculative decoding on two devices")
+    pair = pair or load_pair("tiny", device="cpu")
+    prompt = prompt or pair.encode("Speculative decoding on two devices")
     config = MethodConfig("dropmatch", head_dtype="float32")
     cpu = Decoder(pair, config).generate(prompt, max_new_tokens).token_ids
     pair.target.model.cuda()
