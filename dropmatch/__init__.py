@@ -9,10 +9,7 @@ Public API::
     result.token_ids, result.stats.tau, result.stats.tokens_per_s
 """
 
-from .criteria import DivergenceThreshold, TopK, TypicalAcceptance
 from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter
-from .dropmatch_criteria import CRITERIA, DropMatch
-from .dropout_head import DropoutHead
 from .engine import GenerationResult, generate
 from .errors import (
                      ConfigError,
@@ -22,11 +19,23 @@ from .errors import (
                      PromptTooLongError,
                      VocabularyMismatchError,
 )
+from .heads import DropoutHead
 from .methods import METHODS, Decoder, MethodConfig, build_drafter, build_rule
 from .models import CausalLM, ModelPair, load_pair, tiny_pair
+from .rules import (
+                     CRITERIA,
+                     DivergenceThreshold,
+                     DropMatch,
+                     RelaxedVerification,
+                     StandardVerification,
+                     TopK,
+                     TypicalAcceptance,
+                     Verdict,
+                     VerificationRule,
+                     VerifyInput,
+)
 from .sampling import SamplingConfig
 from .stats import GenerationStats
-from .verification import RelaxedVerification, StandardVerification, Verdict, VerificationRule, VerifyInput
 
 __version__ = "0.1.0"
 

@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .dropmatch_criteria import decide
-from .dropout_head import DropoutHead, check_dropout_args
+from .heads import check_dropout_args, keep_scale
+from .methods import dropout_head
 from .models import CausalLM, ModelPair
+from .rules.dropmatch import decide
 from .sampling import SamplingConfig
 
 GREEDY = SamplingConfig()
@@ -30,8 +31,8 @@ def dropout_path(target: CausalLM, prompt_ids: Sequence[int], p_drop: float, see
         cache, hidden = target.new_cache(rollback=False, prompt_ids=torch.tensor(list(prompt_ids), device=target.device))
         h = hidden[-1:]
         for _ in range(max_new_tokens):
-            keep = (torch.rand(h.shape, generator=generator) >= p_drop).to(h.device, h.dtype)
-            token = int(target.head(h * keep / (1.0 - p_drop)).argmax())
+            keep = (torch.rand(h.shape, generator=generator) >= p_drop).to(h.device)
+            token = int(target.head(h * keep_scale(keep, p_drop).to(h.dtype)).argmax())
             out.append(token)
             keep = should_stop(out) if should_stop else None
             if keep is not None:
@@ -57,20 +58,12 @@ def teacher_forced(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Seque
     return hidden, logits, draft_logits
 
 
-def _heads(target: CausalLM, k: int, p_drop: float) -> DropoutHead:
-    from .methods import default_head_dtype
-
-    dtype = default_head_dtype(target)
-    return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
-                       weight_in_compute_dtype=target.head_weight_as(dtype))
-
-
 def head_agreement(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Sequence[int], k: int = 5,
                    p_drop: float = 0.3, seed: int = 0, chunk: int = 8) -> dict[str, np.ndarray]:
     """Per answer position (teacher-forced): how many of the K heads pick the majority token
     (``majority_count``), and the heads' mean probability of that token (``majority_prob``)."""
     hidden, logits, _ = teacher_forced(pair, prompt_ids, answer_ids, draft=False)
-    head = _heads(pair.target, k, p_drop)
+    head = dropout_head(pair.target, k, p_drop)
     generator = torch.Generator().manual_seed(seed)
     counts, probs = [], []
     with torch.inference_mode():
@@ -102,7 +95,7 @@ def acceptance_probe(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Seq
     n = len(answer_ids)
     rows = []
     for p_drop in p_values:
-        head = _heads(pair.target, k, p_drop)
+        head = dropout_head(pair.target, k, p_drop)
         generator = torch.Generator().manual_seed(seed)
         masks = head.draw_masks(n, generator)
         with torch.inference_mode():
@@ -137,7 +130,7 @@ def equal_noise_p_drop(p_reference: float, d_reference: int, d: int) -> float:
 
 def relative_logit_noise(target: CausalLM, hidden: torch.Tensor, p_drop: float, k: int = 8, seed: int = 0) -> float:
     """Mean over positions of std(head logit - clean logit) / std(clean logit), measured with K heads."""
-    head = _heads(target, k, p_drop)
+    head = dropout_head(target, k, p_drop)
     with torch.inference_mode():
         clean = target.head(hidden)
         heads = head.logits(hidden, clean, head.draw_masks(hidden.shape[0], torch.Generator().manual_seed(seed)))

@@ -162,7 +162,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
 
 def cmd_judge_mine(args: argparse.Namespace) -> int:
-    from .judge import mine
+    from .judge_mining import mine
     from .tasks import generation_defaults, load_gsm8k_train
     from .tasks.metrics import extract_gsm8k_answer
 
@@ -177,7 +177,7 @@ def cmd_judge_mine(args: argparse.Namespace) -> int:
 
 
 def cmd_judge_train(args: argparse.Namespace) -> int:
-    from .judge import Mismatch, train_judge
+    from .judge_mining import Mismatch, train_judge
     from .runner import read_results
 
     mismatches = [Mismatch(**m) for path in args.mined for r in read_results(Path(path), repair=False)

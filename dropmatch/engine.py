@@ -19,9 +19,9 @@ import torch
 from .drafters import Draft, Drafter
 from .errors import ConfigError, PromptTooLongError
 from .models import CausalLM, rollback
+from .rules import Prefetching, StandardVerification, Verdict, VerificationRule, VerifyInput
 from .sampling import SamplingConfig, choose_token
 from .stats import GenerationStats
-from .verification import StandardVerification, Verdict, VerificationRule, VerifyInput
 
 
 @dataclass
@@ -40,8 +40,8 @@ def verify_step(target: CausalLM, rule: VerificationRule, hidden: torch.Tensor, 
                 sampling: SamplingConfig, generator: torch.Generator) -> Verdict:
     """The head and the rule of one verify step, on the trunk's hidden states (L + 1, d): the rule's
     prefetched rows (if any) ride in the head GEMM, then the rule decides."""
-    ask = getattr(rule, "prefetch", None)
-    prefetch = ask(hidden, sampling, generator) if ask and draft.tokens.numel() else None
+    wants = isinstance(rule, Prefetching) and draft.tokens.numel()
+    prefetch = rule.prefetch(hidden, sampling, generator) if wants else None
     logits, products = target.head_with_extra(hidden, prefetch.rows if prefetch else None, exact=not sampling.greedy)
     if prefetch is not None:
         prefetch.products = products
@@ -94,7 +94,7 @@ def generate(
     Without a drafter this is autoregressive decoding. With one, speculative decoding verified by
     ``rule`` (default: greedy exact match / speculative sampling). Stops after an EOS token, which
     is included in the output; nothing is emitted past it. ``should_stop(output_ids)`` is asked after
-    every step (e.g. for stop strings, :class:`~dropmatch.methods.StopOnText`): a length means "stop,
+    every step (e.g. for stop strings, :class:`~dropmatch.stopping.StopOnText`): a length means "stop,
     and keep that many tokens", so a speculative step that overshoots a stop string is cut back to
     exactly what plain decoding would have emitted (statistics included).
     """

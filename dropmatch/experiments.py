@@ -15,9 +15,10 @@ import pandas as pd
 
 from . import analysis
 from .fidelity import target_nll
-from .methods import Decoder, MethodConfig, StopOnText
+from .methods import Decoder, MethodConfig
 from .models import ModelPair, load_pair
 from .runner import GreedyReference, append_result, read_results, run_task
+from .stopping import StopOnText
 from .summarize import summarize_records
 from .tasks import Example, cut_output, generation_defaults, score
 

@@ -7,16 +7,26 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .criteria import DivergenceThreshold, TopK, TypicalAcceptance
 from .drafters import Drafter, ModelDrafter, NgramDrafter
-from .dropmatch_criteria import CRITERIA, MAJORITY_RULES, DropMatch
-from .dropout_head import DropoutHead, check_dropout_args
 from .engine import GenerationResult, generate
 from .errors import ConfigError
+from .heads import DropoutHead, check_dropout_args, default_head_dtype
 from .models import CausalLM, ModelPair, _dtype
+from .rules import (
+    AnyOf,
+    Criterion,
+    DivergenceThreshold,
+    DropMatch,
+    RelaxedVerification,
+    StandardVerification,
+    TopK,
+    TypicalAcceptance,
+    VerificationRule,
+)
+from .rules.dropmatch import check_criterion_args
+from .rules.judge import Judge, JudgeCriterion
 from .sampling import SamplingConfig
-from .screened_head import bf16_matmul_supported
-from .verification import Criterion, RelaxedVerification, StandardVerification, VerificationRule
+from .stopping import StopOnText
 
 METHODS = ("ar", "sd", "dropmatch", "topk", "typical", "divergence", "judge", "judge+dropmatch")
 DRAFTERS = ("model", "ngram")
@@ -60,10 +70,7 @@ class MethodConfig:
             raise ConfigError("--method judge needs --judge PATH (train one with `python -m dropmatch judge train`)")
         if "dropmatch" in self.method:
             check_dropout_args(self.k, self.p_drop)
-            if self.criterion not in CRITERIA:
-                raise ConfigError(f"unknown DropMatch criterion {self.criterion!r}; choose one of {', '.join(CRITERIA)}")
-            if self.majority not in MAJORITY_RULES:
-                raise ConfigError(f"unknown majority rule {self.majority!r}; choose strict or plurality")
+            check_criterion_args(self.criterion, self.majority)
 
     @property
     def speculative(self) -> bool:
@@ -87,31 +94,22 @@ class MethodConfig:
         return asdict(self)
 
 
-def default_head_dtype(target: CausalLM) -> torch.dtype:
-    """bfloat16 (float16 for float16 models), except float32 on CPUs without native bfloat16 GEMMs."""
-    weight = target.head_weight
-    if weight.dtype == torch.float16:
-        return torch.float16
-    if weight.device.type == "cpu" and not bf16_matmul_supported():
-        return torch.float32
-    return torch.bfloat16
+def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None = None) -> DropoutHead:
+    """K dropout heads on ``target``'s LM head, sharing its weight copy in the compute dtype."""
+    dtype = _dtype(head_dtype, target.device) if head_dtype else default_head_dtype(target.head_weight)
+    return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
+                       weight_in_compute_dtype=target.head_weight_as(dtype))
 
 
 def build_criterion(target: CausalLM, config: MethodConfig) -> Criterion | None:
     if config.method.startswith("judge"):
-        from .judge import AnyOf, Judge, JudgeCriterion
-
         judge = JudgeCriterion(Judge.load(config.judge_path), config.judge_threshold)
         if config.method == "judge":
             return judge
         return AnyOf([judge, build_criterion(target, MethodConfig(**{**config.to_dict(), "method": "dropmatch"}))])
     if config.method == "dropmatch":
-        dtype = _dtype(config.head_dtype, target.device) if config.head_dtype else None
-        if dtype is None:
-            dtype = default_head_dtype(target)
-        head = DropoutHead(target.head_weight, config.k, config.p_drop, compute_dtype=dtype,
-                           softcap=target.softcap, weight_in_compute_dtype=target.head_weight_as(dtype))
-        return DropMatch(head, config.criterion, config.majority)
+        return DropMatch(dropout_head(target, config.k, config.p_drop, config.head_dtype), config.criterion,
+                         config.majority)
     if config.method == "topk":
         return TopK(config.topk)
     if config.method == "typical":
@@ -161,29 +159,3 @@ class Decoder:
                         draft_len=self.config.draft_len, max_new_tokens=max_new_tokens,
                         sampling=self.sampling, seed=seed, eos_token_ids=self.pair.eos_token_ids,
                         should_stop=StopOnText(self.pair.decode, stop) if stop else None)
-
-
-class StopOnText:
-    """Stop strings for :func:`~dropmatch.engine.generate`: once the decoded tail of the output (its
-    last ``window`` tokens, enough for any stop string plus one speculative step) contains one of
-    ``stop``, returns the length of the shortest output prefix that does; else ``None``."""
-
-    def __init__(self, decode, stop: Sequence[str], window: int = 48):
-        self.decode, self.stop, self.window = decode, tuple(s for s in stop if s), window
-
-    def _contains(self, ids: Sequence[int]) -> bool:
-        tail = self.decode(list(ids))
-        return any(s in tail for s in self.stop)
-
-    def __call__(self, output_ids: list[int]) -> int | None:
-        start = max(0, len(output_ids) - self.window)
-        if not self._contains(output_ids[start:]):
-            return None
-        low, high = start, len(output_ids)  # output[start:high] contains a stop, output[start:low] does not
-        while high - low > 1:
-            mid = (low + high) // 2
-            if self._contains(output_ids[start:mid]):
-                high = mid
-            else:
-                low = mid
-        return high

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
+from .heads.screened import ScreenedHead, bf16_matmul_supported
 from .hub import hub_reachable
 from .paths import cache_root
-from .screened_head import ScreenedHead, bf16_matmul_supported
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +122,24 @@ class CausalLM:
         out = self.trunk(input_ids=ids.view(1, -1), use_cache=True, **{self._cache_kwarg: cache})
         return out.last_hidden_state[0]
 
+    def _screened_head(self, n_rows: int, exact: bool) -> ScreenedHead | None:
+        """The screened bfloat16 head when it applies (greedy, ``fast_head``, several rows, no soft-cap)."""
+        if exact or not self.fast_head or n_rows <= 1 or self.softcap:
+            return None
+        if self._screened is None:
+            self._screened = ScreenedHead(self.head_weight, self.head_weight_as(torch.bfloat16))
+        return self._screened
+
     def head(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:
         """Dropout-free logits (n, V) float32 from hidden states (n, d).
 
         With ``exact=False`` (greedy verification) and ``fast_head`` on, multi-row heads go through
-        :class:`~dropmatch.screened_head.ScreenedHead`: same argmax, float32 values on the likely
+        :class:`~dropmatch.heads.screened.ScreenedHead`: same argmax, float32 values on the likely
         tokens, bfloat16 accuracy on the rest.
         """
-        if not exact and self.fast_head and hidden.shape[0] > 1 and not self.softcap:
-            if self._screened is None:
-                self._screened = ScreenedHead(self.head_weight, self.head_weight_as(torch.bfloat16))
-            return self._screened(hidden)
+        screened = self._screened_head(hidden.shape[0], exact)
+        if screened is not None:
+            return screened(hidden)
         logits = self.lm_head(hidden)[..., : self.vocab_size].float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -141,10 +148,9 @@ class CausalLM:
     def head_with_extra(self, hidden: torch.Tensor, extra: torch.Tensor | None, exact: bool = True):
         """``(head(hidden, exact), products)``: with the screened head, ``extra`` rows (m, d) ride in
         the same bfloat16 GEMM and ``products`` = their head products (m, V); otherwise ``None``."""
-        if extra is not None and not exact and self.fast_head and hidden.shape[0] > 1 and not self.softcap:
-            if self._screened is None:
-                self._screened = ScreenedHead(self.head_weight, self.head_weight_as(torch.bfloat16))
-            return self._screened(hidden, extra)
+        screened = self._screened_head(hidden.shape[0], exact) if extra is not None else None
+        if screened is not None:
+            return screened(hidden, extra)
         return self.head(hidden, exact), None
 
     def logits(self, ids: torch.Tensor, cache) -> torch.Tensor:

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from dropmatch.divergence import js_divergence
 from dropmatch.drafters import ModelDrafter, NgramDrafter
-from dropmatch.dropmatch_criteria import CRITERIA, DropMatch, decide, js_accepts, majority_accepts
-from dropmatch.dropout_head import DropoutHead
 from dropmatch.engine import generate
 from dropmatch.errors import ConfigError
+from dropmatch.heads.dropout import DropoutHead
 from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.rules import RelaxedVerification, VerifyInput
+from dropmatch.rules.divergence import js_divergence
+from dropmatch.rules.dropmatch import CRITERIA, DropMatch, decide, js_accepts, majority_accepts
 from dropmatch.sampling import SamplingConfig
-from dropmatch.verification import RelaxedVerification, VerifyInput
 
 from .conftest import make_tiny, random_prompt
 

@@ -9,8 +9,8 @@ from dropmatch.drafters import ModelDrafter, NgramDrafter, lookup
 from dropmatch.engine import generate
 from dropmatch.errors import ConfigError, PromptTooLongError
 from dropmatch.models import rollback
+from dropmatch.rules import StandardVerification
 from dropmatch.sampling import SamplingConfig
-from dropmatch.verification import StandardVerification
 
 from .conftest import random_prompt
 

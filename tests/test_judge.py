@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from dropmatch.errors import ConfigError
-from dropmatch.judge import Judge, Miner, Mismatch, mine, thresholds_for_shares, train_judge
+from dropmatch.judge_mining import Miner, Mismatch, mine, thresholds_for_shares, train_judge
 from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.rules.judge import Judge
 
 from .conftest import random_prompt
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dropmatch.errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
+from dropmatch.heads.screened import ScreenedHead
 from dropmatch.models import (
     ByteTokenizer,
     check_same_tokenizer,
@@ -15,7 +16,6 @@ from dropmatch.models import (
     pair_vocabularies,
     tiny_pair,
 )
-from dropmatch.screened_head import ScreenedHead
 
 
 def test_load_tiny_pairs():

@@ -8,8 +8,8 @@ from scipy.stats import chisquare
 
 from dropmatch.drafters import ModelDrafter, NgramDrafter
 from dropmatch.engine import generate
+from dropmatch.rules import StandardVerification, VerifyInput
 from dropmatch.sampling import SamplingConfig, sample_with_uniform, top_p_filter
-from dropmatch.verification import StandardVerification, VerifyInput
 
 from .conftest import make_tiny
 

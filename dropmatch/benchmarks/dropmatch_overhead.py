@@ -25,7 +25,7 @@ from ..drafters import Draft, ModelDrafter
 from ..engine import generate, verify_step
 from ..methods import Decoder, MethodConfig, build_rule
 from ..models import ModelPair, load_pair
-from ..verification import StandardVerification, VerifyInput
+from ..rules import StandardVerification, VerifyInput
 from .common import format_table, gsm8k_fewshot_prompts, machine_line
 
 

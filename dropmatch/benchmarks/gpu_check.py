@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..dropmatch_criteria import decide
-from ..dropout_head import DropoutHead
+from ..heads.dropout import DropoutHead
 from ..models import ModelPair
+from ..rules.dropmatch import decide
 from ..sampling import SamplingConfig
 from .common import format_table, machine_line
 

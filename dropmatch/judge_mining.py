@@ -1,4 +1,4 @@
-"""An AutoJudge-style trained judge (Garipov et al., 2025) on the embedded pair.
+"""Mining and training an AutoJudge-style judge (Garipov et al., 2025) on the embedded pair.
 
 Mining (``mine``), on GSM8K train problems: decode the target's greedy answer; find the positions
 where the draft's argmax (teacher-forced on that answer) differs; at each, substitute the draft token
@@ -11,15 +11,14 @@ scores the position (what verification computes for it) and the one after consum
 Training (``train_judge``): ``StandardScaler`` + ``LogisticRegression``, C chosen by validation
 ROC-AUC, refit on everything. The judge is saved with joblib and loaded by path.
 
-As a rule (:class:`JudgeCriterion`): accept a draft token that exact match rejects when the judge's
-probability of "important" is below a threshold. Threshold 0 is exact match.
+As a rule: :class:`dropmatch.rules.judge.JudgeCriterion`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +28,11 @@ from tqdm.auto import tqdm
 from .analysis import teacher_forced
 from .engine import generate
 from .errors import ConfigError
-from .methods import Decoder, MethodConfig, StopOnText
+from .methods import Decoder, MethodConfig
 from .models import ModelPair
-from .verification import PositionTest, Prefetch, VerifyInput
+from .rules.judge import Judge
+from .runner import append_result, read_results
+from .stopping import StopOnText
 
 
 @dataclass
@@ -133,8 +134,6 @@ def mine(pair: ModelPair, problems: Sequence[tuple[str, str]], out: str | Path, 
          answer: Callable[[str], str | None], stop: Sequence[str] = (), max_new_tokens: int = 160,
          max_mismatches: int = 6, progress: bool = True) -> list[Mismatch]:
     """Mine ``problems`` (id, prompt text) into ``out`` (JSON lines, one problem per line), resumably."""
-    from .runner import append_result, read_results
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {r["problem"]: r for r in read_results(out)}
@@ -147,38 +146,6 @@ def mine(pair: ModelPair, problems: Sequence[tuple[str, str]], out: str | Path, 
         append_result(out, record)
         done[pid] = record
     return [Mismatch(**m) for pid, _ in problems for m in done[pid]["mismatches"]]
-
-
-# --------------------------------------------------------------------------------------------
-# The classifier
-
-
-class Judge:
-    """A fitted scaler + logistic regression on target hidden states; ``p_important(h)``."""
-
-    def __init__(self, pipeline, info: dict):
-        self.pipeline, self.info = pipeline, info
-
-    def p_important(self, features: torch.Tensor | np.ndarray) -> np.ndarray:
-        """Probability (n,) that each mismatch, with features (n, 2d) (see :func:`judge_features`), is important."""
-        x = features.float().cpu().numpy() if torch.is_tensor(features) else np.asarray(features, dtype=np.float32)
-        return self.pipeline.predict_proba(x)[:, 1]
-
-    def save(self, path: str | Path) -> None:
-        import joblib
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        joblib.dump({"pipeline": self.pipeline, "info": self.info}, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Judge:
-        import joblib
-
-        if not Path(path).exists():
-            raise ConfigError(f"no judge file at {path}; train one with `python -m dropmatch judge train`")
-        blob = joblib.load(path)
-        return cls(blob["pipeline"], blob["info"])
 
 
 def train_judge(mismatches: Sequence[Mismatch], Cs: Sequence[float] = (0.001, 0.01, 0.1, 1.0, 10.0),
@@ -225,54 +192,6 @@ def thresholds_for_shares(judge: Judge, mismatches: Sequence[Mismatch], shares: 
         n = int(np.ceil(s * len(p)))
         out.append(0.0 if n == 0 else min(1.0, float(np.nextafter(p[n - 1], np.inf))))
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# As a verification criterion
-
-
-class JudgeCriterion:
-    """Accept where the judge's P(important) < ``threshold`` (0: never, i.e. exact match)."""
-
-    def __init__(self, judge: Judge, threshold: float):
-        if not 0 <= threshold <= 1:
-            raise ConfigError(f"judge threshold must be in [0, 1], got {threshold}")
-        self.judge, self.threshold = judge, threshold
-        self.name = f"judge-{threshold:g}"
-
-    def prepare(self, inp: VerifyInput) -> PositionTest:
-        cache: dict[int, float] = {}
-
-        def test(j: int) -> bool:
-            if j not in cache:
-                features = inp.hidden[j : j + 2].reshape(1, -1)  # scoring state and state after draft token j
-                cache[j] = float(self.judge.p_important(features)[0])
-            return cache[j] < self.threshold
-
-        return test
-
-
-class AnyOf:
-    """Accept when any of the criteria accepts ("Auto-Judge + DM"). A member's prefetch (DropMatch's
-    fused heads) is passed through."""
-
-    def __init__(self, criteria: Sequence):
-        self.criteria = list(criteria)
-        self.name = "+".join(c.name for c in self.criteria)
-
-    def prefetch(self, hidden: torch.Tensor, sampling, generator) -> Prefetch | None:
-        for i, c in enumerate(self.criteria):
-            if hasattr(c, "prefetch"):
-                inner = c.prefetch(hidden, sampling, generator)
-                return Prefetch(inner.rows, (i, inner))
-        return None
-
-    def prepare(self, inp: VerifyInput) -> PositionTest:
-        owner, inner = inp.prefetch.state if inp.prefetch is not None else (None, None)
-        if inner is not None:
-            inner.products = inp.prefetch.products
-        tests = [c.prepare(replace(inp, prefetch=inner if i == owner else None)) for i, c in enumerate(self.criteria)]
-        return lambda j: any(t(j) for t in tests)
 
 
 def mismatches_to_json(mismatches: Sequence[Mismatch]) -> str:

@@ -17,14 +17,22 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
+from ..heads.dropout import DropoutHead
+from ..sampling import SamplingConfig, sample_with_uniform
+from .base import PositionTest, Prefetch, VerifyInput
 from .divergence import js_divergence
-from .dropout_head import DropoutHead
-from .errors import ConfigError
-from .sampling import SamplingConfig, sample_with_uniform
-from .verification import PositionTest, Prefetch, VerifyInput
 
 CRITERIA = ("naive", "js", "majority", "js+majority")
 MAJORITY_RULES = ("strict", "plurality")
+
+
+def check_criterion_args(criterion: str, majority: str = "strict") -> None:
+    """Refuse an unknown criterion or majority rule with a clear error."""
+    if criterion not in CRITERIA:
+        raise ConfigError(f"unknown DropMatch criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
+    if majority not in MAJORITY_RULES:
+        raise ConfigError(f"unknown majority rule {majority!r}; choose strict or plurality")
 
 
 def head_tokens(head_logits: torch.Tensor, sampling: SamplingConfig, uniforms: torch.Tensor | None) -> torch.Tensor:
@@ -82,10 +90,7 @@ class DropMatch:
 
     def __init__(self, head: DropoutHead, criterion: str = "js+majority", majority: str = "strict",
                  prefetch: int = 16):
-        if criterion not in CRITERIA:
-            raise ConfigError(f"unknown DropMatch criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
-        if majority not in MAJORITY_RULES:
-            raise ConfigError(f"unknown majority rule {majority!r}; choose strict or plurality")
+        check_criterion_args(criterion, majority)
         self.head, self.criterion, self.majority = head, criterion, majority
         self.prefetch_positions = max(1, prefetch)
         self.name = f"dropmatch-{criterion}"

@@ -1,16 +1,16 @@
 """Training-free lossy acceptance criteria that DropMatch is compared with (ANCHORS.md, sec. 5).
 
-Each is a :class:`~dropmatch.verification.Criterion`; wrap it in
-:class:`~dropmatch.verification.RelaxedVerification` to use it as a rule.
+Each is a :class:`~dropmatch.rules.base.Criterion`; wrap it in
+:class:`~dropmatch.rules.standard.RelaxedVerification` to use it as a rule.
 """
 
 from __future__ import annotations
 
 import math
 
+from ..errors import ConfigError
+from .base import PositionTest, VerifyInput
 from .divergence import entropy, js_divergence, kl_divergence
-from .errors import ConfigError
-from .verification import PositionTest, VerifyInput
 
 
 class TopK:

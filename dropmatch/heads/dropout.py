@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .screened import bf16_matmul_supported
 
 
 def check_dropout_args(k: int, p_drop: float) -> None:
@@ -25,6 +26,26 @@ def check_dropout_args(k: int, p_drop: float) -> None:
         raise ConfigError(f"K (number of dropout heads) must be an integer >= 1, got {k!r}")
     if not 0.0 <= p_drop < 1.0:
         raise ConfigError(f"p_drop must be in [0, 1), got {p_drop!r}")
+
+
+def default_head_dtype(weight: torch.Tensor) -> torch.dtype:
+    """Dtype of the perturbation GEMM for an LM-head ``weight``: bfloat16 (float16 for float16
+    weights), except float32 on CPUs without native bfloat16 GEMMs."""
+    if weight.dtype == torch.float16:
+        return torch.float16
+    if weight.device.type == "cpu" and not bf16_matmul_supported():
+        return torch.float32
+    return torch.bfloat16
+
+
+def keep_scale(masks: torch.Tensor, p_drop: float) -> torch.Tensor:
+    """Inverted-dropout factors m / (1 - p_drop), float32, of keep-masks ``masks`` (any shape)."""
+    return masks.to(torch.float32) / (1.0 - p_drop)
+
+
+def dropout_inputs(hidden: torch.Tensor, masks: torch.Tensor, p_drop: float) -> torch.Tensor:
+    """The heads' inputs h * m / (1 - p_drop), float32: ``hidden`` (n, d), ``masks`` (n, K, d) -> (n, K, d)."""
+    return hidden.float().unsqueeze(1) * keep_scale(masks, p_drop)
 
 
 class DropoutHead:
@@ -61,8 +82,7 @@ class DropoutHead:
 
     def perturbation_inputs(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         """Rows (n * K, d) in the compute dtype whose head products are the logit perturbations."""
-        scale = masks.to(torch.float32) / (1.0 - self.p_drop) - 1.0
-        delta = hidden.float().unsqueeze(1) * scale  # (n, K, d)
+        delta = hidden.float().unsqueeze(1) * (keep_scale(masks, self.p_drop) - 1.0)  # (n, K, d)
         return delta.reshape(-1, delta.shape[-1]).to(self.compute_dtype)
 
     def combine(self, clean_logits: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
@@ -82,8 +102,7 @@ class DropoutHead:
                 into the verification GEMM), else computed here.
         """
         if self.softcap:  # capped logits are not additive in the perturbation: compute directly
-            inputs = hidden.float().unsqueeze(1) * (masks.to(torch.float32) / (1.0 - self.p_drop))
-            raw = F.linear(inputs.to(self.weight.dtype), self.weight).float()
+            raw = F.linear(dropout_inputs(hidden, masks, self.p_drop).to(self.weight.dtype), self.weight).float()
             return torch.tanh(raw / self.softcap) * self.softcap
         if products is None:
             products = F.linear(self.perturbation_inputs(hidden, masks), self._weight_c)

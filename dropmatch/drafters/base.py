@@ -1,0 +1,39 @@
+"""Drafters propose the next tokens; the engine verifies them with the target.
+
+A drafter sees the context only through ``start`` (the prompt) and ``commit`` (what the target
+kept), so it can keep its own state: a KV cache for a draft model, the token history for n-gram
+lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens (n,) int64; their distributions (n, V) float32 when sampling (speculative
+    sampling needs them), and the draft logits (n, V) for rules that want q under greedy decoding.
+    Both are ``None`` for drafters without a model."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        """Reset for a new sequence; ``prompt_ids`` (n,) are the prompt tokens."""
+
+    def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
+        """Up to ``n`` tokens following the context plus ``last_token`` (the newest emitted token)."""
+
+    def commit(self, n_accepted: int) -> None:
+        """The target kept the first ``n_accepted`` tokens of the last proposal."""

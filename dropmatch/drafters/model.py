@@ -1,0 +1,64 @@
+"""A draft model with its own KV cache (e.g. the embedded int8 self-draft, or Llama-3.1-8B)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import CausalLM, rollback
+from ..sampling import SamplingConfig, sample_with_uniform
+from .base import Draft
+
+
+class ModelDrafter:
+    """A small causal LM with its own KV cache.
+
+    Invariant between steps: the cache holds every context token except ``pending`` ones, which
+    the next ``propose`` feeds in one forward pass together with ``last_token``.
+    Greedy drafts take the argmax; under sampling the draft samples from its own tempered /
+    top-p distribution (needed for speculative sampling to stay lossless).
+    """
+
+    name = "model"
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.cache = None
+        self._pending: list[int] = []
+        self._proposed: list[int] = []
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        self.cache, _ = self.model.new_cache(rollback=True, prompt_ids=prompt_ids)
+        self._pending, self._proposed = [], []
+
+    def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
+        device = self.model.device
+        feed = self._pending + [last_token]
+        if n <= 0:
+            self._pending, self._proposed = feed, []
+            return Draft(torch.empty(0, dtype=torch.long, device=device))
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(n):
+            logits = self.model.logits(torch.tensor(feed, device=device), self.cache)
+            if sampling.greedy:
+                token, row = int(logits.argmax()), logits
+            else:
+                row = sampling.probs(logits)
+                token = int(sample_with_uniform(row, torch.rand((), generator=generator)))
+            tokens.append(token)
+            rows.append(row)
+            feed = [token]
+        # The cache now holds the context, last_token and all proposals but the newest one.
+        self._pending = []
+        self._proposed = tokens
+        stacked = torch.stack(rows)
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        return Draft(ids, logits=stacked) if sampling.greedy else Draft(ids, probs=stacked)
+
+    def commit(self, n_accepted: int) -> None:
+        n = len(self._proposed)
+        if n == 0:
+            return
+        if n_accepted == n:
+            self._pending = [self._proposed[-1]]  # never fed: goes in with the next token
+        rollback(self.cache, max(n - 1 - n_accepted, 0))

@@ -1,0 +1,55 @@
+"""Prompt lookup (n-gram) drafting: no model, no distributions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..sampling import SamplingConfig
+from .base import Draft
+
+
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the context's last n-gram
+    (n from ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
+    No model and no distributions (verification treats the draft as one-hot)."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.context: list[int] = []
+        self._proposed: list[int] = []
+        self.device = torch.device("cpu")
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        self.context = prompt_ids.tolist()
+        self.device = prompt_ids.device
+        self._proposed = []
+
+    def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
+        self.context.append(last_token)
+        tokens = lookup(self.context, n, self.max_ngram, self.min_ngram)
+        self._proposed = tokens
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device))
+
+    def commit(self, n_accepted: int) -> None:
+        self.context.extend(self._proposed[:n_accepted])
+
+
+def lookup(context: Sequence[int], n: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """Tokens following the most recent earlier match of the longest matching suffix n-gram."""
+    if n <= 0:
+        return []
+    for size in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        pattern = list(context[-size:])
+        for start in range(len(context) - size - 1, -1, -1):
+            if list(context[start : start + size]) == pattern:
+                follow = list(context[start + size : start + size + n])
+                if follow:
+                    return follow
+    return []

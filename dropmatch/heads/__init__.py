@@ -1,0 +1,7 @@
+"""LM-head numerics: the screened bfloat16 head with an exact argmax, and the K-sample dropout head."""
+
+from .dropout import DropoutHead, check_dropout_args, default_head_dtype, dropout_inputs, keep_scale
+from .screened import ScreenedHead, bf16_matmul_supported
+
+__all__ = ["DropoutHead", "ScreenedHead", "bf16_matmul_supported", "check_dropout_args", "default_head_dtype",
+           "dropout_inputs", "keep_scale"]

@@ -1,0 +1,23 @@
+"""Verification rules: pure tensor code that decides, per verify step, which draft tokens to keep.
+
+* :mod:`.base`: what a rule sees (:class:`VerifyInput`) and returns (:class:`Verdict`), the protocols;
+* :mod:`.standard`: lossless verification, and :class:`RelaxedVerification` for lossy criteria;
+* :mod:`.dropmatch`: DropMatch's criteria on K dropout heads (naive / majority / js / js+majority);
+* :mod:`.rivals`: top-K, typical acceptance, divergence thresholds;
+* :mod:`.judge`: an AutoJudge-style trained classifier as a criterion; :mod:`.combine`: ``AnyOf``;
+* :mod:`.divergence`: KL, JS and entropy.
+
+Nothing here imports models, drafters, the engine or tasks (``tests/test_layout.py`` checks it).
+"""
+
+from .base import Criterion, PositionTest, Prefetch, Prefetching, Verdict, VerificationRule, VerifyInput
+from .combine import AnyOf
+from .dropmatch import CRITERIA, MAJORITY_RULES, DropMatch
+from .rivals import DivergenceThreshold, TopK, TypicalAcceptance
+from .standard import RelaxedVerification, StandardVerification
+
+__all__ = [
+    "CRITERIA", "MAJORITY_RULES", "AnyOf", "Criterion", "DivergenceThreshold", "DropMatch", "PositionTest",
+    "Prefetch", "Prefetching", "RelaxedVerification", "StandardVerification", "TopK", "TypicalAcceptance",
+    "Verdict", "VerificationRule", "VerifyInput",
+]

@@ -1,0 +1,122 @@
+"""What every verification rule sees and returns, and the two protocols rules implement.
+
+Glossary (one verify step with L draft tokens; vLLM's terms):
+
+* **accepted** tokens: the prefix of the draft that the rule keeps (``Verdict.n_accepted``);
+* **recovered** token: the token emitted at the first rejected position (the correction: the
+  target's argmax under greedy decoding, a sample of the residual under speculative sampling);
+* **bonus** token: the token emitted after a fully accepted draft, from the target's last row;
+* ``Verdict.next_token`` is the recovered or the bonus token, whichever the step ends with.
+
+Rules are pure tensor code: this package imports no model, engine or task code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..sampling import SamplingConfig
+
+
+@dataclass
+class Prefetch:
+    """Extra LM-head rows a rule wants computed in the verification GEMM, and its state for the step.
+
+    The engine asks ``rule.prefetch(hidden, sampling, generator)`` before running the head, fills
+    ``products`` (``W @ rows.T``, (m, V) float32) when it can fuse them, and hands the object back in
+    :attr:`VerifyInput.prefetch`. Rules must not depend on ``products`` being filled.
+    """
+
+    rows: torch.Tensor | None
+    state: object
+    products: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    """Everything a rule may look at for one verify step with L draft tokens.
+
+    Attributes:
+        draft_tokens: (L,) int64.
+        draft_probs: (L, V) float32 draft distributions after the sampling transforms (given when
+            sampling), or ``None``.
+        target_logits: (L + 1, V) float32 dropout-free target logits; row j scores draft token j,
+            row L gives the bonus token.
+        hidden: (L + 1, d) target last hidden states at the same positions.
+        sampling: temperature / top-p.
+        generator: CPU generator for every random draw of the step.
+        draft_logits: (L, V) draft logits, given under greedy decoding instead of ``draft_probs``.
+            Drafters with neither (n-gram lookup) count as one-hot.
+        prefetch: what the rule's ``prefetch`` asked for this step, if anything.
+    """
+
+    draft_tokens: torch.Tensor
+    draft_probs: torch.Tensor | None
+    target_logits: torch.Tensor
+    hidden: torch.Tensor
+    sampling: SamplingConfig
+    generator: torch.Generator
+    draft_logits: torch.Tensor | None = None
+    prefetch: Prefetch | None = None
+
+    @property
+    def n_draft(self) -> int:
+        return int(self.draft_tokens.shape[0])
+
+    def draft_distribution(self, j: int) -> torch.Tensor:
+        """Draft distribution (V,) at position j; one-hot for deterministic drafts."""
+        if self.draft_probs is not None:
+            return self.draft_probs[j]
+        if self.draft_logits is not None:
+            return self.sampling.probs(self.draft_logits[j])
+        one_hot = torch.zeros(self.target_logits.shape[-1], device=self.target_logits.device)
+        one_hot[self.draft_tokens[j]] = 1.0
+        return one_hot
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of one verify step.
+
+    Attributes:
+        n_accepted: draft tokens kept (a prefix of the draft).
+        next_token: the token emitted after them (correction or bonus).
+        extra_accepts: kept tokens that the standard rule would have rejected.
+        criterion_evaluations: positions at which a lossy criterion had to be evaluated.
+    """
+
+    n_accepted: int
+    next_token: int
+    extra_accepts: int = 0
+    criterion_evaluations: int = 0
+
+
+class VerificationRule(Protocol):
+    name: str
+
+    def verify(self, inp: VerifyInput) -> Verdict: ...
+
+
+PositionTest = Callable[[int], bool]
+
+
+class Criterion(Protocol):
+    """A lossy acceptance test. ``prepare`` draws all randomness for the step up front and
+    returns a test ``position -> accept?`` that computes lazily what it needs. A criterion may also
+    define ``prefetch(hidden, sampling, generator) -> Prefetch`` (see :class:`Prefetch`)."""
+
+    name: str
+
+    def prepare(self, inp: VerifyInput) -> PositionTest: ...
+
+
+@runtime_checkable
+class Prefetching(Protocol):
+    """Optional capability of a rule or criterion: extra head rows to fuse into the verify GEMM
+    (see :class:`Prefetch`). The engine calls ``prefetch`` before the head, when the draft is not empty."""
+
+    def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch | None: ...

@@ -1,0 +1,101 @@
+"""The standard verification rule, and the relaxation every lossy criterion plugs into.
+
+:class:`StandardVerification` is the lossless baseline: greedy exact match at temperature 0,
+speculative sampling (accept with min(1, p/q), resample the residual, bonus from p) otherwise.
+:class:`RelaxedVerification` adds a lossy acceptance criterion on top: where the standard rule
+rejects, the criterion may still accept (DropMatch, top-K, typical acceptance, divergence
+thresholds, a trained judge). The token emitted at the first rejected position, and the bonus token,
+always come from the standard rule: the dropout-free argmax under greedy decoding, the
+speculative-sampling correction under sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingConfig, sample_with_uniform
+from .base import Criterion, Prefetch, Prefetching, Verdict, VerifyInput
+
+
+@dataclass
+class _Standard:
+    """Per-step quantities of the standard rule."""
+
+    accepts: torch.Tensor  # (L,) bool
+    correction: Callable[[int], int]
+    bonus: int
+
+
+def _standard(inp: VerifyInput) -> _Standard:
+    n = inp.n_draft
+    draft = inp.draft_tokens
+    if inp.sampling.greedy:
+        target_tokens = inp.target_logits.argmax(dim=-1).tolist()
+        accepts = draft == inp.target_logits[:n].argmax(dim=-1)
+        return _Standard(accepts.cpu(), lambda j: target_tokens[j], target_tokens[n])
+    uniforms = torch.rand(n + 1, generator=inp.generator)
+    p = inp.sampling.probs(inp.target_logits)  # (L + 1, V)
+    rows = torch.arange(n, device=p.device)
+    p_draft = p[rows, draft].cpu()
+    q_draft = inp.draft_probs[rows, draft].cpu() if inp.draft_probs is not None else torch.ones(n)
+    accepts = uniforms[:n] * q_draft < p_draft
+
+    def correction(j: int) -> int:
+        residual = (p[j] - inp.draft_distribution(j)).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:
+            residual = p[j]
+        return int(sample_with_uniform(residual, uniforms[n]))
+
+    return _Standard(accepts, correction, int(sample_with_uniform(p[n], uniforms[n])))
+
+
+class StandardVerification:
+    """Lossless verification: greedy exact match, or speculative sampling when temperature > 0."""
+
+    name = "standard"
+
+    def verify(self, inp: VerifyInput) -> Verdict:
+        std = _standard(inp)
+        rejected = (~std.accepts).nonzero()
+        if len(rejected) == 0:
+            return Verdict(inp.n_draft, std.bonus)
+        j = int(rejected[0])
+        return Verdict(j, std.correction(j))
+
+
+class RelaxedVerification:
+    """Standard verification plus a lossy criterion at the positions the standard rule rejects.
+
+    Args:
+        criterion: the lossy test.
+        keep_standard_accepts: accept every position the standard rule accepts (default). With
+            ``False`` the criterion alone decides at every position (the paper-literal reading).
+    """
+
+    def __init__(self, criterion: Criterion, keep_standard_accepts: bool = True):
+        self.criterion = criterion
+        self.keep_standard_accepts = keep_standard_accepts
+        self.name = criterion.name + ("" if keep_standard_accepts else "-literal")
+
+    def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch | None:
+        if isinstance(self.criterion, Prefetching):
+            return self.criterion.prefetch(hidden, sampling, generator)
+        return None
+
+    def verify(self, inp: VerifyInput) -> Verdict:
+        test = self.criterion.prepare(inp)  # first: the same draw order as when the engine prefetched
+        std = _standard(inp)
+        extra = evaluations = 0
+        for j in range(inp.n_draft):
+            standard_ok = bool(std.accepts[j])
+            if standard_ok and self.keep_standard_accepts:
+                continue
+            evaluations += 1
+            if test(j):
+                extra += not standard_ok
+                continue
+            return Verdict(j, std.correction(j), extra, evaluations)
+        return Verdict(inp.n_draft, std.bonus, extra, evaluations)
