@@ -4,20 +4,40 @@ safe even if a limit failed; the tests then check that the limit did hold.
 
 Several programs go around the Python-level guards with ctypes (raw fork/unlink/socket calls), so
 what is tested is the kernel-level layer: rlimits, namespaces, read-only mounts, uid nobody.
+
+Reading the host is tested in each way the sandbox can block it: the private root alone, Landlock
+alone, and the default (both where they work).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import socket
+import sys
+import sysconfig
+import tempfile
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from dropmatch.tasks import metrics
-from dropmatch.tasks.sandbox import Limits, isolation_layers, run_python
+from dropmatch.tasks.sandbox import (
+    READ_GUARDS,
+    Limits,
+    _check_plan,
+    _Plan,
+    _Refused,
+    _symlinks_on,
+    isolation_layers,
+    landlock_available,
+    namespaces_available,
+    run_python,
+)
 
 LAYERS = isolation_layers()
 needs_namespaces = pytest.mark.skipif("namespaces" not in LAYERS, reason="unshare (network/PID/mount namespaces) "
@@ -25,6 +45,33 @@ needs_namespaces = pytest.mark.skipif("namespaces" not in LAYERS, reason="unshar
 needs_nproc = pytest.mark.skipif("nobody" not in LAYERS, reason="RLIMIT_NPROC is only exact when root runs the "
                                  "program as nobody")
 FAST = Limits(timeout_s=3.0)
+CHECKOUT = Path(__file__).resolve().parents[1]
+READ_MODES = {  # how the sandbox keeps the program from reading the host: run_python's arguments
+    "private-root": {"namespaces": True, "landlock": False},
+    "landlock": {"namespaces": False, "landlock": True},
+    "default": {},
+}
+
+
+@pytest.fixture(params=list(READ_MODES))
+def read_mode(request) -> dict:
+    if request.param == "private-root" and not namespaces_available():
+        pytest.skip("unshare (mount namespace, pivot_root) does not work on this machine")
+    if request.param == "landlock" and not landlock_available():
+        pytest.skip("this kernel has no Landlock")
+    if request.param == "default" and not any(layer in LAYERS for layer in READ_GUARDS):
+        pytest.skip("no layer that blocks reads works here (see test_without_a_read_guard_the_sandbox_refuses)")
+    return READ_MODES[request.param]
+
+
+@pytest.fixture
+def home_secret():
+    """A world-readable file in the home directory, as an SSH key or a token would sit there."""
+    path = Path.home() / f".dropmatch-sandbox-secret-{uuid.uuid4().hex}"
+    path.write_text("home-secret-value\n")
+    path.chmod(0o644)
+    yield path
+    path.unlink()
 
 
 def program(source: str) -> str:
@@ -238,3 +285,137 @@ def test_hostile_humaneval_completions_count_as_failed():
                        "    return bytearray(8 << 30)\n"):
         assert metrics.humaneval_pass(prompt, completion, test, "add", limits) == 0.0, completion
     assert metrics.humaneval_pass(prompt, "    return a + b\n", test, "add", limits) == 1.0
+
+
+# --- reading the host ------------------------------------------------------------------------
+
+def _try_reads(files: list[str], dirs: list[str], mode: dict) -> dict:
+    """Outcome of opening each file and listing each dir inside the sandbox: the text or listing, or
+    ``"refused: <error>"``."""
+    result = run_python(program(f"""
+        import json, os
+        out = {{}}
+        for path in {files!r}:
+            try:
+                with open(path) as f:
+                    out[path] = f.read(200)
+            except OSError as exc:
+                out[path] = "refused: " + type(exc).__name__
+        for path in {dirs!r}:
+            try:
+                out[path] = sorted(os.listdir(path))
+            except OSError as exc:
+                out[path] = "refused: " + type(exc).__name__
+        print(json.dumps(out))
+    """), FAST, **mode)
+    assert result.passed, result.stderr
+    assert result.host_reads_blocked and any(g in result.isolation for g in READ_GUARDS)
+    return json.loads(result.stdout)
+
+
+def _hidden_entries(directory: Path) -> set[str]:
+    """Real entries of ``directory`` that no path the sandbox needs (interpreter, system libraries,
+    devices, its temporary directory) goes through: none of them may show inside."""
+    needed = [Path(p).resolve() for p in (sys.base_prefix, sys.base_exec_prefix, tempfile.gettempdir())]
+    needed += [Path(p) for p in ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/etc", "/dev")]
+    return {name for name in os.listdir(directory)
+            if not any(n == directory / name or directory / name in n.parents for n in needed)}
+
+
+def test_host_files_cannot_be_read(read_mode, home_secret, tmp_path):
+    outside = tmp_path / "outside.txt"  # a world-readable file outside the work dir, in /tmp
+    outside.write_text("tmp-secret-value\n")
+    outside.chmod(0o644)
+    files = [str(home_secret), str(CHECKOUT / "README.md"), "/etc/passwd", "/etc/shadow", str(outside)]
+    files = [f for f in files if os.path.exists(f)]
+    assert str(home_secret) in files and str(CHECKOUT / "README.md") in files
+    outcome = _try_reads(files, [], read_mode)
+    assert all(str(outcome[f]).startswith("refused") for f in files), outcome
+    assert "secret-value" not in json.dumps(outcome)
+
+
+def test_host_directories_cannot_be_listed(read_mode, home_secret):
+    dirs = [Path("/"), Path.home().resolve(), CHECKOUT.parent, CHECKOUT]
+    outcome = _try_reads([], [str(d) for d in dirs], read_mode)
+    for d in dirs:
+        hidden = _hidden_entries(d)
+        assert hidden, f"{d} has no entry the sandbox should hide"  # e.g. the secret, the checkout
+        seen = outcome[str(d)]
+        assert isinstance(seen, str) and seen.startswith("refused") or not hidden & set(seen), (d, seen)
+    assert home_secret.name in _hidden_entries(Path.home().resolve())
+
+
+def test_a_file_handle_does_not_reach_the_host(read_mode, home_secret):
+    """With CAP_DAC_READ_SEARCH, open_by_handle_at opens any file of a mounted file system, whatever
+    the mount namespace shows: the capability must be gone, or Landlock must still refuse."""
+    stdlib = sysconfig.get_path("stdlib")
+    if os.stat(stdlib).st_dev != os.stat(home_secret).st_dev:
+        pytest.skip("the home directory and the interpreter are on different file systems")
+    libc = ctypes.CDLL(None, use_errno=True)
+    handle = ctypes.create_string_buffer(8 + 128)  # struct file_handle with MAX_HANDLE_SZ bytes
+    ctypes.c_uint32.from_buffer(handle).value = 128
+    mount_id = ctypes.c_int()
+    if libc.name_to_handle_at(-100, str(home_secret).encode(), handle, ctypes.byref(mount_id), 0) != 0:
+        pytest.skip("this file system gives no file handles")
+    result = run_python(program(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        handle = ctypes.create_string_buffer(bytes.fromhex({bytes(handle).hex()!r}))
+        fd = libc.open_by_handle_at(os.open({stdlib!r}, os.O_RDONLY), handle, os.O_RDONLY)
+        print("fd", fd, os.read(fd, 100) if fd >= 0 else ctypes.get_errno())
+    """), FAST, **read_mode)
+    assert result.passed, result.stderr
+    assert "fd -1" in result.stdout and "secret" not in result.stdout
+
+
+def test_humaneval_style_program_still_passes(read_mode):
+    prompt = program("""
+        import collections, fractions, functools, hashlib, heapq, itertools, math, os, random, re, string
+        from decimal import Decimal
+        from typing import List
+
+
+        def most_common_words(text: str, k: int) -> List[str]:
+    """)
+    completion = "    words = re.findall(r'[a-z]+', text.lower())\n" \
+                 "    return [w for w, _ in collections.Counter(words).most_common(k)]\n"
+    test = program("""
+        def check(candidate):
+            assert candidate("a b a c a b", 2) == ["a", "b"]
+            assert list(itertools.accumulate([1, 2, 3])) == [1, 3, 6] and math.comb(5, 2) == 10
+            assert heapq.nsmallest(2, [5, 1, 4]) == [1, 4] and functools.reduce(max, [3, 9, 2]) == 9
+            assert fractions.Fraction(1, 3) * 3 == 1 and Decimal("0.1") * 3 == Decimal("0.3")
+            assert hashlib.sha256(b"x").hexdigest().startswith("2d711642") and string.digits == "0123456789"
+            assert len(os.urandom(8)) == 8 and 0 <= random.random() < 1
+            with open(os.devnull, "w") as f:
+                f.write("ignored")
+            with open("scratch.txt", "w") as f:
+                f.write("the work dir is writable")
+            assert open("scratch.txt").read().startswith("the work dir")
+    """)
+    result = run_python(metrics.humaneval_program(prompt, completion, test, "most_common_words"), FAST,
+                        **read_mode)
+    assert result.passed, result.stderr
+    assert result.host_reads_blocked
+
+
+def test_without_a_read_guard_the_sandbox_refuses():
+    refused = run_python("print('ran')\n", FAST, namespaces=False, landlock=False)
+    assert refused.status == "error" and refused.returncode is None and "ran" not in refused.stdout
+    assert "allow_host_reads" in refused.stderr and not refused.host_reads_blocked
+    weaker = run_python("print('ran')\n", FAST, namespaces=False, landlock=False, allow_host_reads=True)
+    assert weaker.passed and weaker.stdout == "ran\n"
+    assert not weaker.host_reads_blocked and not set(READ_GUARDS) & set(weaker.isolation)
+    with pytest.raises(_Refused, match="CAP_DAC_READ_SEARCH"):  # the capability unconfined: refused too
+        _check_plan(_Plan(namespaces=True, landlock=False), keep_read_search=True)
+    _check_plan(_Plan(namespaces=True, landlock=True), keep_read_search=True)
+
+
+def test_symlinks_on_the_way_to_an_exposed_path_are_recreated(tmp_path):
+    (tmp_path / "real" / "lib").mkdir(parents=True)
+    (tmp_path / "usr").symlink_to("real")
+    (tmp_path / "real" / "lib" / "py").symlink_to(tmp_path / "real" / "lib")
+    links = _symlinks_on(str(tmp_path / "usr" / "lib" / "py"))
+    assert links == [(str(tmp_path / "usr"), "real"), (str(tmp_path / "real" / "lib" / "py"),
+                                                         str(tmp_path / "real" / "lib"))]
+    assert _symlinks_on(str(tmp_path / "real" / "lib")) == []

@@ -2,14 +2,20 @@
 
 It is trusted code and imports only the standard library. In order, it:
   1. reads the JSON config (program text, work dir, limits, which layers to set up);
-  2. with namespaces (started under ``unshare``): remounts the whole tree read-only and mounts a
-     size-limited tmpfs on the work dir, the only writable place;
+  2. with namespaces (started under ``unshare``): builds a private root, a read-only tmpfs holding
+     read-only bind mounts of only what Python needs (the paths in the config plus the directories
+     of the files this process has mapped: interpreter, shared libraries) and a size-limited tmpfs
+     on the work dir, the only writable place; then pivots into it and detaches the old root, so
+     nothing else of the host is reachable by any path;
   3. enters the work dir and sets rlimits (address space, CPU, file size, open files, core, processes);
   4. as root: becomes ``nobody`` (keeping only CAP_DAC_READ_SEARCH when the interpreter lives where
-     ``nobody`` cannot read, e.g. under /root), sets no-new-privs and re-arms the parent-death signal;
-  5. disables sockets and destructive ``os`` calls at the Python level (defence in depth only: the
+     ``nobody`` cannot read and Landlock confines that capability), sets no-new-privs and re-arms
+     the parent-death signal;
+  5. with Landlock: lets the program read only the same paths and write only the work dir (a
+     kernel rule that holds for any user, whatever the file modes and capabilities);
+  6. disables sockets and destructive ``os`` calls at the Python level (defence in depth only: the
      kernel layers above are what hold against code that goes around Python, e.g. via ctypes);
-  6. runs the program as ``__main__`` (with namespaces, in a child of this process, which stays
+  7. runs the program as ``__main__`` (with namespaces, in a child of this process, which stays
      behind as the namespace's init to reap orphans and report how the program ended).
 
 Exit codes: the program's own (0 = ran to its end), 3 = the program called ``exit()``, 97 = a
@@ -17,10 +23,13 @@ sandbox layer could not be set up (nothing of the program ran).
 """
 
 import ctypes
+import importlib
 import json
 import os
+import platform
 import resource
 import signal
+import stat
 import sys
 import traceback
 
@@ -28,11 +37,17 @@ SETUP_FAILED = 97
 EXITED_EARLY = 3
 NOBODY = 65534
 
-# Linux constants (include/uapi/linux/{prctl,capability,mount}.h, fs/namespace.c).
+# Linux constants (include/uapi/linux/{prctl,capability,mount,landlock}.h, fs/namespace.c).
 PR_SET_PDEATHSIG, PR_SET_KEEPCAPS, PR_SET_NO_NEW_PRIVS = 1, 8, 38
 CAP_DAC_READ_SEARCH, CAPABILITY_VERSION_3 = 2, 0x20080522
-SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 442, -100, 0x8000, 0x1, 0x2
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 0x2, 0x4, 0x8, 0x1000, 0x4000, 1 << 18, 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+LL_MAKE_CHAR, LL_MAKE_BLOCK, LL_TRUNCATE = 1 << 7, 1 << 11, 1 << 14
+LL_HANDLED_BITS = {1: 13, 2: 14, 3: 15, 4: 15}  # filesystem rights per Landlock ABI; 16 from ABI 5 on
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -55,13 +70,130 @@ class _CapData(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
 
 
-def _isolate_filesystem(work: str, size: int, owner: int) -> None:
-    """Everything read-only in this mount namespace, then a fresh tmpfs on ``work``."""
-    attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
-    rc = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
-    _check(rc, "remount / read-only")
-    opts = f"size={size},mode=0700,uid={owner},gid={owner}".encode()
-    _check(_libc.mount(b"tmpfs", work.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts), "mount tmpfs")
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _bytes(value: str | None) -> bytes | None:
+    return value.encode() if value is not None else None
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, opts: str | None = None) -> None:
+    rc = _libc.mount(_bytes(source), _bytes(target), _bytes(fstype), ctypes.c_ulong(flags), _bytes(opts))
+    _check(rc, f"mount {target}")
+
+
+def _mapped_dirs() -> set[str]:
+    """Directories of the files mapped into this process: the interpreter, its shared libraries."""
+    dirs: set[str] = set()
+    if not os.path.exists("/proc/self/maps"):  # not Linux: no layer here uses them
+        return dirs
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                dirs.add(os.path.dirname(fields[5].rstrip("\n").removesuffix(" (deleted)")))
+    return {d for d in dirs if os.path.isdir(d)}
+
+
+def _outermost(paths: set[str]) -> list[str]:
+    """``paths`` without those inside another one (a recursive bind of the outer one holds them)."""
+    kept: list[str] = []
+    for path in sorted(paths):
+        if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(path)
+    return kept
+
+
+def _bind_read_only(path: str, new_root: str) -> None:
+    target = new_root + path
+    if os.path.isdir(path):
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+    _mount(path, target, None, MS_BIND | MS_REC)
+
+
+def _pivot_root(new_root: str) -> None:
+    """Make ``new_root`` the root and detach the old one (pivot_root(".", "."), see pivot_root(2))."""
+    number = SYS_PIVOT_ROOT.get(platform.machine())
+    if number is None:
+        raise OSError(f"pivot_root: unknown syscall number on {platform.machine()}")
+    os.chdir(new_root)
+    _check(_libc.syscall(number, b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "detach the old root")
+    os.chdir("/")
+
+
+def _isolate_filesystem(cfg: dict, owner: int) -> None:
+    """A private read-only root holding only the exposed paths, a fresh tmpfs on the work dir."""
+    new_root, work = cfg["new_root"], cfg["workdir"]
+    os.umask(0o022)  # the private root's own directories: 0755, so that `nobody` passes through
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,mode=0755")
+    for path in _outermost({*cfg["expose"], *_mapped_dirs()}):
+        _bind_read_only(path, new_root)
+    for link, target in cfg["links"]:
+        if not os.path.lexists(new_root + link):
+            os.makedirs(os.path.dirname(new_root + link), mode=0o755, exist_ok=True)
+            os.symlink(target, new_root + link)
+    os.makedirs(new_root + work, mode=0o755)
+    attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+    rc = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, new_root.encode(), AT_RECURSIVE, ctypes.byref(attr),
+                       ctypes.sizeof(attr))
+    _check(rc, "make the private root read-only")
+    opts = f"size={cfg['disk_bytes']},mode=0700,uid={owner},gid={owner}"
+    _mount("tmpfs", new_root + work, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
+    _pivot_root(new_root)
+    sys.path[:] = [p for p in sys.path if os.path.exists(p)]
+    sys.path_importer_cache.clear()
+    importlib.invalidate_caches()
+
+
+def _landlock_rights(abi: int) -> int:
+    return (1 << LL_HANDLED_BITS.get(abi, 16)) - 1
+
+
+def _landlock_allow(ruleset: int, path: str, rights: int) -> None:
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        rule = _PathBeneath(rights, fd)
+        rc = _libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
+        _check(rc, f"landlock rule for {path}")
+    finally:
+        os.close(fd)
+
+
+def _read_rights(path: str) -> int:
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        return LL_READ_FILE | LL_READ_DIR
+    if stat.S_ISCHR(mode):  # /dev/null and the like: open("w") truncates
+        return LL_READ_FILE | LL_WRITE_FILE | LL_TRUNCATE
+    return LL_READ_FILE
+
+
+def _restrict_with_landlock(readable: list[str], work: str) -> None:
+    """From now on this process and its children may read ``readable`` and write only ``work``;
+    no execve, no device nodes. Needs no-new-privs (set by _harden_process)."""
+    abi = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    if abi < 1:
+        raise OSError(ctypes.get_errno(), "Landlock is not available")
+    handled = _landlock_rights(abi)
+    attr = ctypes.c_uint64(handled)  # struct landlock_ruleset_attr { handled_access_fs; ... }
+    ruleset = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.sizeof(attr), 0)
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    try:
+        for path in readable:
+            if os.path.exists(path):
+                _landlock_allow(ruleset, path, _read_rights(path) & handled)
+        _landlock_allow(ruleset, work, handled & ~(LL_EXECUTE | LL_MAKE_CHAR | LL_MAKE_BLOCK))
+        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
 
 
 def _set_limits(cfg: dict) -> None:
@@ -147,8 +279,9 @@ def main() -> int:
     program = compile(cfg["code"], "<program>", "exec")
     try:
         root = os.geteuid() == 0
+        readable = [*cfg["expose"], *sorted(_mapped_dirs())]  # before the pivot: /proc is left behind
         if cfg["namespaces"]:
-            _isolate_filesystem(cfg["workdir"], cfg["disk_bytes"], NOBODY if root else 0)
+            _isolate_filesystem(cfg, NOBODY if root else 0)
             child = os.fork()
             if child:
                 return _reap(child)
@@ -158,6 +291,8 @@ def main() -> int:
             _become_nobody(cfg["keep_read_search"])
         if sys.platform.startswith("linux"):
             _harden_process()
+        if cfg["landlock"]:
+            _restrict_with_landlock(readable, cfg["workdir"])
         _python_guards()
     except Exception as exc:  # fail closed: run nothing if a layer is missing
         print(f"sandbox setup failed: {exc!r}", file=sys.stderr, flush=True)
