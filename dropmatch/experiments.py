@@ -6,6 +6,7 @@ a notebook re-run (or ``make reproduce`` after an interruption) continues instea
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from .runner import GreedyReference, append_result, read_results, run_task
 from .stopping import StopOnText
 from .summarize import summarize_records
 from .tasks import Example, cut_output, generation_defaults, score
+from .tasks.llm_judge import PROMPT_FILES, JudgeEndpoint
 
 
 def load_models(pair: str | None = "gemma-3-270m", target: str | None = None, draft: str | None = None,
@@ -35,34 +37,52 @@ def slug(text: str) -> str:
 
 def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig], results_dir: str | Path, *,
                 n_prompts: int | None, max_new_tokens: int | None = None, seed: int = 0, fidelity: bool = True,
-                baseline: str | None = None, progress: bool = True) -> pd.DataFrame:
+                baseline: str | None = None, progress: bool = True,
+                llm_judge: JudgeEndpoint | None = None) -> pd.DataFrame:
     """Decode ``task`` with every method (resumable) and return one summary row per method.
 
-    Columns: name, method, n, tau, tokens/s, speedup (vs ``baseline``, a key of ``configs``), the task
-    score and its 95 % interval, exact_match_rate / nll / greedy_nll (fidelity), draft acceptance,
-    mean verify-step time (ms) and extra accepts per step.
+    Columns: name, model, method, n, tau (ours) and paper_tau (the paper's), tokens/s (mean over
+    examples, end to end), tokens/s pooled, decode tokens/s (pooled, after the prefill), speedup (decode)
+    and speedup e2e (vs ``baseline``, a key of ``configs``), the task score and its 95 % interval,
+    exact_match_rate / nll / greedy_nll (fidelity), draft acceptance, mean verify-step time (ms) and
+    extra accepts per step. MT-bench and KoMT-bench are graded by ``llm_judge``, else by the endpoint
+    :func:`judge_from_env` names (none: no LLM grading).
     """
     results_dir = Path(results_dir)
     records: dict[str, list[dict]] = {}
+    judge = llm_judge or (judge_from_env() if task in PROMPT_FILES else None)
     for name, config in configs.items():
         out = results_dir / f"{task}__{slug(pair.name)}__{slug(config.label)}.jsonl"
         records[name] = run_task(Decoder(pair, config), task, out, limit=n_prompts, seed=seed,
                                  max_new_tokens=max_new_tokens, fidelity=fidelity, progress=progress,
-                                 reference_cache=reference_path(pair, task, results_dir))
+                                 reference_cache=reference_path(pair, task, results_dir),
+                                 llm_judge=judge if task in PROMPT_FILES else None)
     rows = []
     for name, rs in records.items():
         row = summarize_records(rs)[0]
         stats = [r["stats"] for r in rs]
         steps = sum(len(s["accepted_per_step"]) for s in stats)
-        row.update(name=name, draft_acceptance=float(np.mean([s["draft_acceptance_rate"] for s in stats])),
+        row.update(name=name, model=pair.name, draft_acceptance=float(np.mean([s["draft_acceptance_rate"] for s in stats])),
                    verify_ms_per_step=1000 * sum(s["verify_s"] for s in stats) / max(steps, 1),
                    extra_accepts_per_step=sum(s["extra_accepts"] for s in stats) / max(steps, 1))
         rows.append(row)
     table = pd.DataFrame(rows)
     if baseline is not None:
-        base = float(table.loc[table["name"] == baseline, "tokens/s"].iloc[0])
-        table["speedup"] = table["tokens/s"] / base
+        base = table.loc[table["name"] == baseline].iloc[0]
+        table["speedup"] = table["decode tokens/s"] / float(base["decode tokens/s"])
+        table["speedup e2e"] = table["tokens/s pooled"] / float(base["tokens/s pooled"])
     return table
+
+
+JUDGE_SWITCH = "DROPMATCH_LLM_JUDGE"
+
+
+def judge_from_env() -> JudgeEndpoint | None:
+    """The LLM judge of MT-bench / KoMT-bench when ``DROPMATCH_LLM_JUDGE=1`` (the paper preset sets it)
+    and an endpoint is configured (``DROPMATCH_JUDGE_URL``, ``DROPMATCH_JUDGE_MODEL``); else ``None``."""
+    if os.environ.get(JUDGE_SWITCH, "") not in ("1", "true", "yes"):
+        return None
+    return JudgeEndpoint.from_env()
 
 
 def reference_path(pair: ModelPair, task: str, results_dir: str | Path) -> Path:
@@ -165,3 +185,26 @@ def head_scores(records: Sequence[dict], greedy: Mapping[str, list[int]], metric
     rows = [{"p_drop": r["p_drop"], "head": r["head"] + 1, "score": r["score"].get(metric, float("nan")),
              "exact_match": r["token_ids"] == greedy.get(r["id"]), "nll": r["nll"]} for r in records]
     return pd.DataFrame(rows).groupby(["p_drop", "head"], as_index=False).mean(numeric_only=True)
+
+
+def rival_configs(draft_len: int, *, topk_ks: Sequence[int] = (), typical_settings: Sequence[Sequence[float]] = (),
+                  divergence_settings: Sequence[Sequence] = (), fly_settings: Sequence[Sequence[float]] = (),
+                  ensemble_weights: Sequence[float] = (), dropmatch_p_curve: Sequence[float] = (), k: int = 5,
+                  criterion: str = "js+majority") -> dict[str, MethodConfig]:
+    """The rival sweep of notebook 04: SD, then one config per setting, named ``<family> <setting>``
+    (the family is the name's first word): top-K, typical acceptance ([eps, delta]), divergence
+    thresholds ([metric, threshold]), FLy ([entropy threshold, window]), static ensemble (target
+    weight w), DropMatch (p_drop)."""
+    configs = {"SD": MethodConfig("sd", draft_len=draft_len)}
+    configs.update({f"top-{K}": MethodConfig("topk", draft_len=draft_len, topk=K) for K in topk_ks})
+    configs.update({f"typical eps={e} delta={d}": MethodConfig("typical", draft_len=draft_len, typical_eps=e,
+                                                               typical_delta=d) for e, d in typical_settings})
+    configs.update({f"{m} <= {t}": MethodConfig("divergence", draft_len=draft_len, divergence=m,
+                                                divergence_threshold=t) for m, t in divergence_settings})
+    configs.update({f"FLy H3>={h} W={int(w)}": MethodConfig("fly", draft_len=draft_len, fly_entropy=h,
+                                                            fly_window=int(w)) for h, w in fly_settings})
+    configs.update({f"ensemble w={w}": MethodConfig("ensemble", draft_len=draft_len, ensemble_weight=w)
+                    for w in ensemble_weights})
+    configs.update({f"DropMatch p={p}": MethodConfig("dropmatch", draft_len=draft_len, k=k, p_drop=p,
+                                                     criterion=criterion) for p in dropmatch_p_curve})
+    return configs

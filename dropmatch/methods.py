@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
 
 import torch
 
@@ -17,8 +19,10 @@ from .rules import (
     Criterion,
     DivergenceThreshold,
     DropMatch,
+    FLyVerification,
     RelaxedVerification,
     StandardVerification,
+    StaticEnsembleVerification,
     TopK,
     TypicalAcceptance,
     VerificationRule,
@@ -28,8 +32,28 @@ from .rules.judge import Judge, JudgeCriterion
 from .sampling import SamplingConfig
 from .stopping import StopOnText
 
-METHODS = ("ar", "sd", "dropmatch", "topk", "typical", "divergence", "judge", "judge+dropmatch")
-DRAFTERS = ("model", "ngram")
+METHODS = ("ar", "sd", "dropmatch", "topk", "typical", "divergence", "fly", "ensemble", "judge", "judge+dropmatch")
+DRAFTERS = ("model", "ngram", "eagle3")
+
+
+_DROPMATCH = ("dropmatch", "judge+dropmatch")
+_JUDGE = ("judge", "judge+dropmatch")
+_RELAXED = ("dropmatch", "topk", "typical", "divergence", "judge", "judge+dropmatch")  # RelaxedVerification
+# Fields that matter to some methods only (a field not named here matters to every method but ``ar``).
+FIELD_METHODS: dict[str, tuple[str, ...]] = {
+    "k": _DROPMATCH, "p_drop": _DROPMATCH, "criterion": _DROPMATCH, "majority": _DROPMATCH,
+    "head_dtype": _DROPMATCH, "literal": _RELAXED, "topk": ("topk",), "typical_eps": ("typical",),
+    "typical_delta": ("typical",), "divergence": ("divergence",), "divergence_threshold": ("divergence",),
+    "fly_entropy": ("fly",), "fly_window": ("fly",), "ensemble_weight": ("ensemble",),
+    "judge_path": _JUDGE, "judge_threshold": _JUDGE,
+}
+# Fields each method's label names in its own form, e.g. ``dropmatch(js+majority,K=5,p=0.3)``.
+LABEL_SHOWN: dict[str, tuple[str, ...]] = {
+    "dropmatch": ("k", "p_drop", "criterion"), "topk": ("topk",), "typical": ("typical_eps", "typical_delta"),
+    "divergence": ("divergence", "divergence_threshold"), "fly": ("fly_entropy", "fly_window"),
+    "ensemble": ("ensemble_weight",), "judge": ("judge_threshold",),
+    "judge+dropmatch": ("judge_threshold", "k", "p_drop", "criterion"),
+}
 
 
 @dataclass
@@ -52,18 +76,23 @@ class MethodConfig:
     typical_delta: float = 0.3
     divergence: str = "js"
     divergence_threshold: float = 0.1
+    fly_entropy: float = 0.3  # FLy: top-3 entropy gate (nats)
+    fly_window: int = 5  # FLy: following draft tokens that must match (the authors' win_len - 1)
+    ensemble_weight: float = 0.5  # static ensemble: v = w p + (1 - w) q
     # trained judge (AutoJudge-style)
     judge_path: str | None = None
     judge_threshold: float = 0.1
     # n-gram drafter
     ngram_max: int = 3
+    # EAGLE-3 drafter: a head directory or hub id (None: the committed head of the embedded pair)
+    draft_head: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.draft not in DRAFTERS:
-            raise ConfigError(f"unknown drafter {self.draft!r}; choose model or ngram")
+            raise ConfigError(f"unknown drafter {self.draft!r}; choose one of {', '.join(DRAFTERS)}")
         if self.draft_len < 1:
             raise ConfigError(f"draft length must be >= 1, got {self.draft_len}")
         if self.method.startswith("judge") and not self.judge_path:
@@ -78,17 +107,46 @@ class MethodConfig:
 
     @property
     def label(self) -> str:
-        """Short human-readable name, e.g. ``dropmatch(js+majority,K=5,p=0.3)``."""
+        """Short human-readable name, e.g. ``dropmatch(js+majority,K=5,p=0.3)@L5``; non-default settings
+        the name does not show follow in brackets: ``dropmatch(js,K=5,p=0.3)[majority=plurality,literal]@L5``."""
         if self.method == "ar":
             return "ar"
         dropmatch = f"{self.criterion},K={self.k},p={self.p_drop:g}"
         base = {"sd": "sd", "topk": f"topk(K={self.topk})",
                 "typical": f"typical(eps={self.typical_eps:g},delta={self.typical_delta:g})",
                 "divergence": f"divergence({self.divergence}<={self.divergence_threshold:g})",
+                "fly": f"fly(H3>={self.fly_entropy:g},W={self.fly_window})",
+                "ensemble": f"ensemble(w={self.ensemble_weight:g})",
                 "dropmatch": f"dropmatch({dropmatch})", "judge": f"judge(t={self.judge_threshold:g})",
                 "judge+dropmatch": f"judge+dropmatch(t={self.judge_threshold:g},{dropmatch})"}[self.method]
-        draft = "" if self.draft == "model" else "+ngram"
-        return f"{base}{draft}@L{self.draft_len}"
+        draft = "" if self.draft == "model" else f"+{self.draft}"
+        return f"{base}{draft}{self._label_extras()}@L{self.draft_len}"
+
+    def _label_extras(self) -> str:
+        """``[name=value,...]``: every field that differs from its default, matters for this method and
+        is not already in the label's name (empty at the defaults, so default labels are unchanged)."""
+        shown = LABEL_SHOWN.get(self.method, ())
+        extras = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            if f.name in ("method", "draft", "draft_len") or f.name in shown or value == default:
+                continue
+            if f.name in FIELD_METHODS and self.method not in FIELD_METHODS[f.name]:
+                continue
+            if (f.name == "ngram_max" and self.draft != "ngram") or (f.name == "draft_head" and self.draft != "eagle3"):
+                continue
+            if f.name == "draft_head" and value is not None:
+                value = Path(value).name
+            if f.name == "judge_path":
+                value = Path(value).stem
+            if isinstance(value, dict):
+                extras += [f"{k}={v}" for k, v in sorted(value.items())]
+            elif value is True:
+                extras.append(f.name)
+            else:
+                extras.append(f"{f.name}={value:g}" if isinstance(value, float) else f"{f.name}={value}")
+        return f"[{','.join(extras)}]" if extras else ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +178,10 @@ def build_criterion(target: CausalLM, config: MethodConfig) -> Criterion | None:
 
 
 def build_rule(target: CausalLM, config: MethodConfig) -> VerificationRule:
+    if config.method == "fly":
+        return FLyVerification(config.fly_entropy, config.fly_window)
+    if config.method == "ensemble":
+        return StaticEnsembleVerification(config.ensemble_weight)
     criterion = build_criterion(target, config)
     if criterion is None:
         return StandardVerification()
@@ -131,9 +193,29 @@ def build_drafter(pair: ModelPair, config: MethodConfig) -> Drafter | None:
         return None
     if config.draft == "ngram":
         return NgramDrafter(max_ngram=config.ngram_max)
+    if config.draft == "eagle3":
+        return _eagle3_drafter(pair, config.draft_head)
     if pair.draft is None:
         raise ConfigError("this method needs a draft model: load the pair with a draft, or use --draft ngram")
     return ModelDrafter(pair.draft)
+
+
+_EAGLE3_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {source: head}
+
+
+def _eagle3_drafter(pair: ModelPair, source: str | None) -> Drafter:
+    """An EAGLE-3 drafter for ``pair.target``; heads are loaded once per (source, target)."""
+    from .drafters.eagle3 import Eagle3Drafter, committed_head, load_head
+
+    if source is None:
+        source = committed_head(pair.name)
+        if source is None:
+            raise ConfigError(f"no committed EAGLE-3 head for {pair.name!r}: pass --draft-head DIR_OR_HUB_ID "
+                              "(e.g. a SpecForge / speculators / EAGLE-3 head for this target)")
+    heads = _EAGLE3_HEADS.setdefault(pair.target, {})
+    if str(source) not in heads:
+        heads[str(source)] = load_head(source, pair.target)
+    return Eagle3Drafter(heads[str(source)], pair.target)
 
 
 class Decoder:
@@ -149,6 +231,13 @@ class Decoder:
         self.sampling = sampling or SamplingConfig()
         self.rule = build_rule(pair.target, self.config)
         self.drafter = build_drafter(pair, self.config)
+        if self.config.speculative and self.sampling.greedy:
+            pair.target.prepare()  # the screened head, built here rather than in the first timed verify step
+
+    def warm_up(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 8) -> None:
+        """One short generation, discarded, so that first-call costs (lazy buffers, allocator, kernel
+        choice) fall outside the timed generations that follow."""
+        self.generate(prompt, max_new_tokens=max_new_tokens)
 
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 64, seed: int = 0,
                  stop: Sequence[str] = ()) -> GenerationResult:

@@ -11,6 +11,7 @@ import copy
 import inspect
 import json
 import logging
+import os
 import shutil
 import tempfile
 import warnings
@@ -33,6 +34,7 @@ GEMMA_PAIR = "gemma-3-270m"
 TINY_PAIR = "tiny"
 TINY_GEMMA_PAIR = "tiny-gemma"
 PAIRS = (GEMMA_PAIR, TINY_PAIR, TINY_GEMMA_PAIR)
+DEVICE_MAP_ENV = "DROPMATCH_DEVICE_MAP"
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 
@@ -71,7 +73,7 @@ class CausalLM:
     def check_split(self) -> None:
         """Refuse a model whose logits are not ``lm_head(trunk(ids))`` (plus Gemma-2 soft-capping):
         architectures that scale hidden states or logits in between would be verified wrongly."""
-        ids = torch.tensor([[self.model.config.bos_token_id or 0, 5, 6, 7]], device=self.device) % self.vocab_size
+        ids = torch.tensor([[self.model.config.bos_token_id or 0, 5, 6, 7]], device=self.input_device) % self.vocab_size
         with torch.inference_mode():
             expected = self.model(input_ids=ids).logits[0, :, : self.vocab_size].float()
             split = self.head(self.trunk(input_ids=ids).last_hidden_state[0])
@@ -83,7 +85,23 @@ class CausalLM:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the head runs: logits, the hidden states :meth:`hidden` returns and the engine's token
+        tensors live here (with a ``device_map`` the trunk's layers may sit elsewhere)."""
+        weight = getattr(self.lm_head, "weight", None)
+        if isinstance(weight, torch.Tensor):  # not a quantized Linear's weight() method
+            return _module_device(self.lm_head, weight)
+        return self.input_device
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where the trunk takes its token ids: the input embedding's device."""
+        embedding = self.model.get_input_embeddings()
+        return _module_device(embedding, embedding.weight)
+
+    def prepare(self) -> None:
+        """Build what the first verify step would build lazily (the screened bfloat16 head and its weight
+        copy), so that no timed generation pays for it. Idempotent."""
+        self._screened_head(2, exact=False)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -109,18 +127,39 @@ class CausalLM:
         :func:`rollback` may need. Recording starts after the prompt, so a long prompt causes no
         memory spike. Returns the cache and, if a prompt was given, its hidden states (n, d).
         """
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        hidden = self.hidden(prompt_ids, cache) if prompt_ids is not None else None
-        if rollback and hasattr(cache, "activate_past_recording"):
-            cache.activate_past_recording()
+        cache, hidden, _ = self.new_cache_with_features(prompt_ids, (), rollback)
         return cache, hidden
 
     def hidden(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Run the trunk on new token ids (n,) and extend ``cache``. Returns (n, d)."""
-        out = self.trunk(input_ids=ids.view(1, -1), use_cache=True, **{self._cache_kwarg: cache})
-        return out.last_hidden_state[0]
+        out = self.trunk(input_ids=ids.view(1, -1).to(self.input_device), use_cache=True, **{self._cache_kwarg: cache})
+        return out.last_hidden_state[0].to(self.device)  # a no-op unless a device map split the model
+
+    def hidden_and_features(self, ids: torch.Tensor, cache,
+                            layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Like :meth:`hidden`, plus the chosen layers' states: (n, d) and (n, len(layers) * d), where
+        layer i means ``hidden_states[i]`` of the trunk (the input to decoder layer i; EAGLE-3 features).
+        Without ``layers`` the features are ``None`` and the trunk keeps no intermediate states."""
+        if not layers:
+            return self.hidden(ids, cache), None
+        out = self.trunk(input_ids=ids.view(1, -1).to(self.input_device), use_cache=True,
+                         output_hidden_states=True, **{self._cache_kwarg: cache})
+        features = torch.cat([out.hidden_states[i][0].to(self.device) for i in layers], dim=-1)
+        return out.last_hidden_state[0].to(self.device), features
+
+    def new_cache_with_features(self, prompt_ids: torch.Tensor | None, layers: Sequence[int] = (),
+                                rollback: bool = True):
+        """:meth:`new_cache`, also returning the chosen layers' states of the prompt:
+        ``(cache, hidden (n, d), features (n, len(layers) * d))``; ``None`` for what was not asked for."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        hidden = features = None
+        if prompt_ids is not None:
+            hidden, features = self.hidden_and_features(prompt_ids, cache, layers)
+        if rollback and hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        return cache, hidden, features
 
     def _screened_head(self, n_rows: int, exact: bool) -> ScreenedHead | None:
         """The screened bfloat16 head when it applies (greedy, ``fast_head``, several rows, no soft-cap)."""
@@ -137,6 +176,7 @@ class CausalLM:
         :class:`~dropmatch.heads.screened.ScreenedHead`: same argmax, float32 values on the likely
         tokens, bfloat16 accuracy on the rest.
         """
+        hidden = hidden.to(self.device)
         screened = self._screened_head(hidden.shape[0], exact)
         if screened is not None:
             return screened(hidden)
@@ -156,6 +196,17 @@ class CausalLM:
     def logits(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Logits (V,) float32 after the last of ``ids``; extends ``cache``."""
         return self.head(self.hidden(ids, cache)[-1:])[0]
+
+
+def _module_device(module: nn.Module, weight: torch.Tensor) -> torch.device:
+    """The device ``module`` computes on: its accelerate hook's execution device when dispatched with a
+    device map (the weight may then be offloaded), else its weight's device."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or [hook]  # a SequentialHook holds several
+    execution = next((h.execution_device for h in hooks if getattr(h, "execution_device", None) is not None), None)
+    if execution is not None:
+        return torch.device(execution)
+    return weight.device
 
 
 def rollback(cache, n_tokens: int) -> None:
@@ -205,6 +256,7 @@ def load_pair(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     need_draft: bool = True,
+    device_map: str | dict | None = None,
 ) -> ModelPair:
     """Load a target/draft pair and their tokenizer.
 
@@ -216,14 +268,21 @@ def load_pair(
             for hub models; the Gemma pair is always float32).
         device: ``cpu``, ``cuda``... (default: CUDA when present).
         need_draft: load the draft model (False for the n-gram drafter or plain decoding).
+        device_map: hub pairs only: spread the target over the devices present (``"auto"``, or an
+            accelerate device map) for targets that fit on no single GPU (Llama-3.1-70B); the draft
+            goes whole onto the device of the target's LM head. Default: ``$DROPMATCH_DEVICE_MAP``
+            (the ``paper`` preset sets ``auto``), else one device.
     """
+    if device_map is not None and (target is None and draft is None):
+        raise ConfigError(f"device_map applies to hub models (--target/--draft), not to the pair {pair!r}")
     if device is None and pair == GEMMA_PAIR and target is None:
         device = "cpu"  # its int8 draft runs on CPU only
     device = torch.device(device) if device is not None else default_device()
     if target is not None or draft is not None:
         if target is None:
             raise ConfigError("--draft was given without --target; pass both, or use --pair")
-        return _load_hub_pair(target, draft if need_draft else None, _dtype(dtype, device), device)
+        device_map = device_map if device_map is not None else (os.environ.get(DEVICE_MAP_ENV) or None)
+        return _load_hub_pair(target, draft if need_draft else None, _dtype(dtype, device), device, device_map)
     if pair == GEMMA_PAIR:
         return load_gemma_pair(device=device, need_draft=need_draft)
     if pair in (TINY_PAIR, TINY_GEMMA_PAIR):
@@ -269,7 +328,10 @@ def _from_pretrained(loader, name: str, **kwargs):
     online, why = (True, "") if local.exists() else hub_reachable()
     try:  # offline, only the local Hugging Face cache is searched: no slow retries
         return loader.from_pretrained(name, local_files_only=not online, **kwargs)
-    except OSError:
+    except OSError as err:
+        problem = _access_problem(err) if online else None
+        if problem is not None:
+            raise ModelNotFoundError(access_message(name, problem)) from None
         where = "could not be fetched from the Hugging Face hub" if online else f"the hub is not reachable ({why})"
         raise ModelNotFoundError(
             f"cannot load {name!r}: it is not a local directory, not in the local Hugging Face cache, and "
@@ -277,11 +339,51 @@ def _from_pretrained(loader, name: str, **kwargs):
         ) from None
 
 
-def _load_hub_pair(target_id: str, draft_id: str | None, dtype: torch.dtype, device: torch.device) -> ModelPair:
+def _access_problem(err: BaseException) -> str | None:
+    """``"gated"`` when the hub refused a gated repo (HTTP 403, or 401 without a token), ``"unknown"``
+    when it knows no such repo for this token (a typo, or a private / gated one: 401), else ``None``."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    seen: BaseException | None = err
+    while seen is not None:
+        text = str(seen).lower()
+        if isinstance(seen, GatedRepoError) or "gated repo" in text:
+            return "gated"
+        response = getattr(seen, "response", None) if isinstance(seen, HfHubHTTPError) else None
+        if getattr(response, "status_code", None) == 403 or "403 client error" in text:
+            return "gated"
+        if isinstance(seen, RepositoryNotFoundError) or "401 client error" in text:
+            return "unknown"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def access_message(name: str, problem: str) -> str:
+    """What to do when the hub refuses ``name``: log in, and accept the licence on its page."""
+    from huggingface_hub import get_token
+
+    token = "no Hugging Face token is set" if not get_token() else "with the Hugging Face token in use"
+    what = (f"the hub refused access to the gated model ({token})" if problem == "gated" else
+            f"the hub knows no such model ({token}): check the name; a private or gated model shows up so too")
+    return (f"cannot load {name!r}: {what}. For a gated model (Llama, Gemma...): accept its licence on "
+            f"https://huggingface.co/{name} while logged in there, then log in here with `huggingface-cli login` "
+            "(or `hf auth login`), or set HF_TOKEN to a token of that account, and run again. "
+            f"{_LOCAL_WEIGHTS_HINT}")
+
+
+def _load_hub_pair(target_id: str, draft_id: str | None, dtype: torch.dtype, device: torch.device,
+                   device_map: str | dict | None = None) -> ModelPair:
+    """Load a hub (or local) pair; with ``device_map`` the target is spread by accelerate and the
+    draft put whole on the device of the target's LM head, where the engine keeps its tensors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = _from_pretrained(AutoTokenizer, target_id)
-    target_model = _from_pretrained(AutoModelForCausalLM, target_id, dtype=dtype, device_map=device)
+    target_model = _from_pretrained(AutoModelForCausalLM, target_id, dtype=dtype,
+                                    device_map=device if device_map is None else device_map)
+    if device_map is not None:
+        device = CausalLM(target_model).device
+        log.info("target spread over %s; draft on %s", sorted({str(d) for d in
+                 getattr(target_model, "hf_device_map", {}).values()}), device)
     draft_model = None
     if draft_id is not None:
         draft_tokenizer = _from_pretrained(AutoTokenizer, draft_id)

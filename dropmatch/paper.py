@@ -3,7 +3,28 @@ side-by-side tables. Model pairs and hardware are recorded with each comparison.
 
 from __future__ import annotations
 
-PAPER_SETUP = "Llama-3.1-8B/70B-Instruct (and Qwen3-4B/32B), 4x A100-80G, vLLM TP=4, bs=1"
+# The paper's tau ("mean acceptance length") counts the tokens each verify step emits, the bonus /
+# correction token included (EAGLE3 at L=5 reaches 5.82 > 5); ours is GenerationStats.paper_tau.
+TAU_DEFINITION = "paper tau: tokens emitted per verify step (bonus included), the prefill's token left out"
+
+# The setup each table states (PAPER.md section 2); "[not stated]" where the paper gives none.
+PAPER_SETUPS = {
+    "table6_llama": "Llama-3.1-70B-Instruct / Llama-3.1-8B-Instruct, 4x A100-SXM4-80G, vLLM TP=4, bs=1",
+    "table6_qwen": "Qwen3-32B / Qwen3-4B, 4x A100-SXM4-80G, vLLM TP=4, bs=1",
+    "table10": "Llama-3.3-70B-Instruct / Llama-3.1-8B-Instruct, L=7, bs=1 (hardware not stated)",
+    "table4": "Llama-3.1-70B-Instruct, bs=1, n_input=5, p_drop=0.3 (hardware not stated)",
+    "table2": "Llama-3.1-70B-Instruct, HumanEval, K=5, p_drop=0.3",
+    "table8": "Llama-3.1-70B-Instruct / Llama-3.1-8B-Instruct, Auto-Judge repo, GSM8K 8-shot, L=32, bs=1",
+}
+PAPER_SETUP = PAPER_SETUPS["table6_llama"]
+
+# The models of each table, for runs that reproduce it (the paper preset).
+PAPER_MODELS = {
+    "table6_llama": ("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
+    "table6_qwen": ("Qwen/Qwen3-32B", "Qwen/Qwen3-4B"),
+    "table10": ("meta-llama/Llama-3.3-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
+    "table8": ("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
+}
 
 # Table 6, Llama-3.1-8B/70B-Instruct, JS criterion, K=5, p_drop=0.3: (task, L) -> (tau SD, tau SD+DM, acc SD, acc SD+DM,
 # speedup of SD+DM over SD at the same L [derived])
@@ -17,6 +38,25 @@ TABLE6_LLAMA = {
     ("ifeval", 10): (5.47, 6.34, 86.86, 86.17, 1.138),
     ("humaneval", 10): (8.87, 9.38, 81.70, 78.70, 0.991),
 }
+
+# Table 6, Qwen3-4B/32B, same layout as TABLE6_LLAMA (speedup at the same L derived from the printed ratios
+# against SD at L=5: e.g. GSM8K L=10 1.13 / 0.96)
+TABLE6_QWEN = {
+    ("gsm8k", 5): (5.06, 5.66, 86.20, 87.49, 1.07),
+    ("mmlu", 5): (4.62, 5.15, 83.21, 82.15, 1.05),
+    ("ifeval", 5): (3.40, 4.22, 80.72, 78.24, 1.19),
+    ("humaneval", 5): (5.09, 5.27, 90.4, 90.9, 1.00),
+    ("gsm8k", 10): (7.87, 9.78, 86.20, 86.58, 1.177),
+    ("mmlu", 10): (6.48, 8.60, 83.26, 82.06, 1.330),
+    ("ifeval", 10): (4.04, 5.67, 82.31, 81.60, 1.361),
+    ("humaneval", 10): (8.11, 8.72, 92.1, 90.2, 1.061),
+}
+
+
+def table6_for(model: str | None) -> tuple[str, dict]:
+    """The Table 6 block (setup key, numbers) of a pair's family: Qwen rows for a Qwen model, else Llama's."""
+    return ("table6_qwen", TABLE6_QWEN) if model and "qwen" in model.lower() else ("table6_llama", TABLE6_LLAMA)
+
 
 # Table 10, KoMT-bench, L=7, Llama-3.3-70B target / Llama-3.1-8B draft: (score, tau)
 TABLE10_KOMT = {"standard": (8.08, 4.85), "eagle3": (7.96, 1.46), "standard+dm": (8.12, 5.24)}

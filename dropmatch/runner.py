@@ -8,14 +8,23 @@ are flushed and fsynced one by one; on start the file is read back, a torn last 
 killed mid-write) is cut off, and examples already done are skipped, so an interrupted run, even by
 kill -9, resumes without losing or duplicating an example. ``<out>.env.json`` records the
 environment of the first run.
+
+One run at a time writes a results file: for the whole run it holds an exclusive ``flock`` on
+``<out>.lock`` (which names the holder's pid), so a second run started on the same ``--out`` while
+the first is still going stops at once with a ``ConfigError`` naming that pid. The kernel drops the
+lock when the run ends or its process dies (kill -9 included), so a later run resumes as above.
+Readers (``read_results(path, repair=False)``, the summaries) take no lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,6 +65,46 @@ def read_results(path: Path, repair: bool = True) -> list[dict]:
     return records
 
 
+def lock_path(out: str | Path) -> Path:
+    """The sidecar file whose ``flock`` a writer of ``out`` holds."""
+    out = Path(out)
+    return out.with_name(out.name + ".lock")
+
+
+@contextlib.contextmanager
+def results_lock(out: str | Path) -> Iterator[Path]:
+    """Hold the exclusive writer's lock on ``out`` (an ``flock`` on ``<out>.lock``, holding this pid)
+    while the block runs; raise ``ConfigError`` at once, naming the holder's pid, if another process
+    holds it. The kernel releases it when the process dies, so a killed run never leaves it stuck."""
+    path = lock_path(out)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"{out} is being written by another run (pid {_lock_holder(fd)}, lock {path}); "
+                "wait for it to end or use another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            yield path
+        finally:
+            os.ftruncate(fd, 0)  # while still held: a pid in the file always names the holder
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _lock_holder(fd: int, wait_s: float = 1.0) -> str:
+    """The pid written in a held lock file (its holder writes it just after locking)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if pid or time.monotonic() > deadline:
+            return pid or "unknown"
+        time.sleep(0.02)
+
+
 def append_result(path: Path, record: dict) -> None:
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -65,9 +114,10 @@ def append_result(path: Path, record: dict) -> None:
 
 def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
     """One statistics object for several generations (the turns of a chat example)."""
-    total = GenerationStats()
+    total = GenerationStats(generations=0)
     for s in parts:
-        for name in ("new_tokens", "target_calls", "target_tokens", "extra_accepts", "criterion_evaluations"):
+        for name in ("new_tokens", "target_calls", "target_tokens", "extra_accepts", "criterion_evaluations",
+                     "generations"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         for name in ("prefill_s", "draft_s", "verify_s", "wall_s"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
@@ -82,19 +132,26 @@ def model_identity(pair) -> str:
 
 
 class GreedyReference:
-    """The target's greedy output for a prompt (decoded by lossless greedy SD: identical, faster),
-    optionally cached in a JSON-lines file shared by every run that compares against it."""
+    """The target's greedy output for a prompt, optionally cached in a JSON-lines file shared by every
+    run that compares against it.
+
+    Decoded autoregressively, not by greedy SD: in bfloat16 on a GPU a multi-row verify pass can break
+    a near-tie differently from a one-row step, so SD is not guaranteed to equal AR there, and every
+    fidelity number is measured against this reference. The cache makes AR's extra cost a one-off.
+    """
+
+    METHOD = "ar"
 
     def __init__(self, pair, stop: Sequence[str], max_new_tokens: int, cache: str | Path | None = None):
-        config = MethodConfig("sd" if pair.draft is not None else "ar")
-        self.decoder = Decoder(pair, config, SamplingConfig())
+        self.decoder = Decoder(pair, MethodConfig(self.METHOD), SamplingConfig())
         self.stop, self.max_new_tokens = tuple(stop), max_new_tokens
         self.identity = model_identity(pair)
         self.cache = Path(cache) if cache else None
         self._known = {r["key"]: r for r in read_results(self.cache)} if self.cache else {}
 
     def key(self, prompt_ids: Sequence[int]) -> str:
-        text = f"{self.identity}|{self.max_new_tokens}|{self.stop}|{list(prompt_ids)}"
+        # the decoding method is in the key: references an older version built with SD are not reused
+        text = f"{self.identity}|{self.METHOD}|{self.max_new_tokens}|{self.stop}|{list(prompt_ids)}"
         return hashlib.sha1(text.encode()).hexdigest()[:20]
 
     def __call__(self, prompt: str | Sequence[int]) -> list[int]:
@@ -155,6 +212,13 @@ class TaskRunner:
             texts.append(cut_output(self.task, decoder.pair.decode(result.token_ids)))
         return prompts, outputs, stats, texts
 
+    def warm_up(self, example: Example) -> None:
+        """One short, discarded generation on ``example``'s (first) prompt: first-call costs stay out
+        of the timed examples."""
+        prompt = (chat_prompt(example.turns, [], tokenizer=self.decoder.pair.tokenizer,
+                              use_chat_template=self.chat_template) if example.turns else example.prompt)
+        self.decoder.warm_up(self.encode(self.decoder.pair, prompt))
+
     def run_example(self, example: Example) -> dict:
         prompts, outputs, stats, texts = self._turns(self.decoder, example)
         record = {
@@ -188,38 +252,52 @@ class TaskRunner:
 def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None = None, seed: int = 0,
              max_new_tokens: int | None = None, fidelity: bool = False, chat_template: bool = False,
              data_dir: str | Path | None = None, progress: bool = True,
-             reference_cache: str | Path | None = None, llm_judge: JudgeEndpoint | None = None) -> list[dict]:
-    """Decode ``task`` into ``out`` (JSON lines), resuming what is already there. Returns all records."""
+             reference_cache: str | Path | None = None, llm_judge: JudgeEndpoint | None = None,
+             warmup: bool = True) -> list[dict]:
+    """Decode ``task`` into ``out`` (JSON lines), resuming what is already there. Returns all records.
+    With ``warmup``, one short untimed generation on the first example to do comes first.
+    Holds ``results_lock(out)`` for the whole run: a second writer of ``out`` gets a ``ConfigError``."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    examples = load_task(task, data_dir=data_dir, limit=limit)
-    label = decoder.config.label
-    runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
-                        chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge)
-    wanted = {"task": task, "method": label, "model": model_identity(decoder.pair), "seed": seed,
-              "config": decoder.config.to_dict(), "sampling": asdict(decoder.sampling),
-              "max_new_tokens": runner.max_new_tokens}
+    with results_lock(out):
+        examples = load_task(task, data_dir=data_dir, limit=limit)
+        label = decoder.config.label
+        runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
+                            chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge)
+        wanted = {"task": task, "method": label, "model": model_identity(decoder.pair), "seed": seed,
+                  "config": decoder.config.to_dict(), "sampling": asdict(decoder.sampling),
+                  "max_new_tokens": runner.max_new_tokens}
+        done_by_id = _records_to_resume(out, wanted, fidelity)
+        env_path = out.with_suffix(out.suffix + ".env.json")
+        if not env_path.exists():
+            env_path.write_text(json.dumps(environment_record(decoder.pair.target.device), indent=1))
+        todo = [e for e in examples if e.id not in done_by_id]
+        bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"{task} {label}",
+                   disable=not progress)
+        if todo and warmup:
+            runner.warm_up(todo[0])
+        for example in todo:
+            record = runner.run_example(example)
+            append_result(out, record)
+            done_by_id[example.id] = record
+            bar.update(1)
+        bar.close()
+    return [done_by_id[e.id] for e in examples]  # this run's examples, in order, each once
+
+
+def _records_to_resume(out: Path, wanted: dict, fidelity: bool) -> dict[str, dict]:
+    """The records already in ``out`` by id (a torn last line cut off); ``ConfigError`` if they come
+    from another configuration."""
     done_by_id: dict[str, dict] = {}
     for record in read_results(out):
         differs = [k for k, v in wanted.items() if record.get(k) != v]
         if differs:
             raise ConfigError(
                 f"{out} already holds results of another run (different {', '.join(differs)}: "
-                f"{', '.join(f'{k}={record.get(k)!r}' for k in differs[:3])}); this run is {task}, {label}, "
-                f"{wanted['model']}. Use another --out."
+                f"{', '.join(f'{k}={record.get(k)!r}' for k in differs[:3])}); this run is {wanted['task']}, "
+                f"{wanted['method']}, {wanted['model']}. Use another --out."
             )
         if fidelity and "fidelity" not in record:
             raise ConfigError(f"{out} holds results without fidelity; use another --out for a run with --fidelity")
         done_by_id.setdefault(record["id"], record)
-    env_path = out.with_suffix(out.suffix + ".env.json")
-    if not env_path.exists():
-        env_path.write_text(json.dumps(environment_record(decoder.pair.target.device), indent=1))
-    todo = [e for e in examples if e.id not in done_by_id]
-    bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"{task} {label}", disable=not progress)
-    for example in todo:
-        record = runner.run_example(example)
-        append_result(out, record)
-        done_by_id[example.id] = record
-        bar.update(1)
-    bar.close()
-    return [done_by_id[e.id] for e in examples]  # this run's examples, in order, each once
+    return done_by_id

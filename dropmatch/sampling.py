@@ -49,16 +49,29 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor | float) -> torch.Tensor:
-    """Inverse-CDF sample of one token per row of ``probs`` (..., V) with uniforms ``u`` (...).
+    """Inverse-CDF sample of one token per row of ``probs`` (..., V) with uniforms ``u`` (...) in [0, 1].
 
     Taking the uniforms as input keeps random-number use independent of decisions, so two
-    code paths that make the same decisions consume the generator identically.
+    code paths that make the same decisions consume the generator identically. Never returns a
+    token of probability zero (a row with any mass): a uniform whose target lands at or past the
+    float cumulative sum's end (u near 1, rounding) falls back to the last token with mass at or
+    before the landing point, else the first token with mass.
     """
-    cdf = probs.float().cumsum(dim=-1)
-    u = torch.as_tensor(u, dtype=cdf.dtype, device=cdf.device)
+    probs = probs.float()
+    cdf = probs.cumsum(dim=-1)
+    u = torch.as_tensor(u, dtype=cdf.dtype, device=cdf.device).clamp(0.0, 1.0)
     target = (u * cdf[..., -1]).unsqueeze(-1)
-    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return index.clamp_(max=probs.shape[-1] - 1)
+    index = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    positive = probs > 0
+    chosen_ok = positive.gather(-1, index).squeeze(-1)
+    index = index.squeeze(-1)
+    if bool(chosen_ok.all()):
+        return index
+    positions = torch.arange(probs.shape[-1], device=probs.device)
+    last_before = torch.where(positive & (positions <= index.unsqueeze(-1)), positions, -1).amax(dim=-1)
+    first = torch.where(positive, positions, probs.shape[-1] - 1).amin(dim=-1)
+    fallback = torch.where(last_before >= 0, last_before, first)
+    return torch.where(chosen_ok, index, fallback)
 
 
 def choose_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:

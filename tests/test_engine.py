@@ -8,7 +8,7 @@ import torch
 from dropmatch.drafters import ModelDrafter, NgramDrafter, lookup
 from dropmatch.engine import generate
 from dropmatch.errors import ConfigError, PromptTooLongError
-from dropmatch.models import rollback
+from dropmatch.models import CausalLM, rollback
 from dropmatch.rules import StandardVerification
 from dropmatch.sampling import SamplingConfig
 
@@ -155,3 +155,54 @@ def test_ngram_lookup():
     # the most recent match wins, and the longest n-gram is tried first
     assert lookup([1, 2, 8, 3, 2, 9, 1, 2], 1, max_ngram=2) == [8]
     assert lookup([4, 2, 8, 3, 2, 9, 1, 2], 1, max_ngram=2) == [9]
+
+
+@pytest.mark.parametrize("keep", [0, 3])
+def test_stop_before_the_last_step_is_cut_at_keep(tiny, keep):
+    """``should_stop`` may ask to keep fewer tokens than were out before the last step: every step
+    past ``keep`` is cut, not only the last one, and the statistics still add up."""
+    prompt = random_prompt(5)
+    ar = generate(tiny.target, prompt, max_new_tokens=40).token_ids
+    seen: list[int] = []
+
+    def should_stop(output: list[int]) -> int | None:
+        seen.append(len(output))
+        return keep if len(output) >= 14 else None
+
+    for drafter in (None, ModelDrafter(tiny.draft), NgramDrafter()):
+        seen.clear()
+        result = generate(tiny.target, prompt, drafter=drafter, draft_len=5, max_new_tokens=40,
+                          should_stop=should_stop)
+        assert seen[-2] > keep + 1  # the output before the last step already ran past keep
+        assert result.token_ids == ar[:keep]
+        s = result.stats
+        assert sum(s.accepted_per_step) + s.target_tokens == s.new_tokens == keep
+        assert all(0 <= a <= d for a, d in zip(s.accepted_per_step, s.drafted_per_step, strict=True))
+        assert s.target_calls == 1 + s.verify_steps if drafter is not None else s.target_calls == seen[-1]
+
+
+def test_draft_model_never_runs_past_its_context(tiny):
+    """A draft whose context ends before the target's proposes fewer tokens, then none; greedy SD
+    still equals AR, and a prompt longer than the draft's context is a clear error."""
+    limit = 24
+    draft = CausalLM(tiny.draft.model)
+    draft.max_positions = limit
+    used: list[int] = []
+
+    def hidden(ids: torch.Tensor, cache) -> torch.Tensor:
+        used.append(cache.get_seq_length() + ids.numel())
+        return CausalLM.hidden(draft, ids, cache)
+
+    draft.hidden = hidden
+    prompt = random_prompt(4, max_len=12)
+    ar = generate(tiny.target, prompt, max_new_tokens=40).token_ids
+    result = generate(tiny.target, prompt, drafter=ModelDrafter(draft), draft_len=5, max_new_tokens=40)
+    assert result.token_ids == ar
+    assert max(used) == limit  # up to the end of the draft's context, never past it
+    drafted = result.stats.drafted_per_step
+    assert drafted[0] == 5 and drafted[-1] == 0 and 0 < min(d for d in drafted if d) < 5, drafted
+    sampled = generate(tiny.target, prompt, drafter=ModelDrafter(draft), draft_len=5, max_new_tokens=40,
+                       sampling=SamplingConfig(1.0), seed=1)
+    assert len(sampled.token_ids) == 40 and max(used) == limit
+    with pytest.raises(PromptTooLongError, match="draft model's context of 24"):
+        generate(tiny.target, torch.full((limit + 1,), 5), drafter=ModelDrafter(draft), max_new_tokens=4)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaForCausalLM
 
 from dropmatch.errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
 from dropmatch.heads.screened import ScreenedHead
 from dropmatch.models import (
     ByteTokenizer,
+    CausalLM,
     check_same_tokenizer,
     int8_draft,
     load_pair,
     pair_vocabularies,
+    tiny_config,
     tiny_pair,
 )
 
@@ -146,3 +151,109 @@ def test_forced_screened_head_keeps_sd_equal_to_ar(tiny):
             assert sd == ar
     finally:
         tiny.target.fast_head = False
+
+
+def test_screened_head_fallback_is_exact_float32():
+    """Rows with more candidates than ``max_refined`` are recomputed fully in float32: exact values
+    on every token of those rows (the screened path leaves the unlikely ones in bfloat16)."""
+    g = torch.Generator().manual_seed(7)
+    vocab, d = 3000, 64
+    weight = torch.randn(vocab, d, generator=g) / d**0.5
+    hidden = torch.randn(5, d, generator=g) * 8
+    exact = torch.stack([F.linear(row, weight) for row in hidden])
+    screened = ScreenedHead(weight)(hidden)
+    assert not torch.equal(screened, exact)  # the normal path is not exact everywhere
+    fallback = ScreenedHead(weight, max_refined=0)(hidden)  # every row falls back
+    assert torch.equal(fallback, exact) and torch.equal(fallback.argmax(-1), exact.argmax(-1))
+    # mixed: a near-zero row has every token within the margin, more than max_refined -> fallback
+    hidden[0] *= 1e-3
+    exact = torch.stack([F.linear(row, weight) for row in hidden])
+    mixed = ScreenedHead(weight, max_refined=vocab // 2)(hidden)
+    assert torch.equal(mixed[0], exact[0])
+    assert torch.equal(mixed.argmax(-1), exact.argmax(-1))
+    assert not torch.equal(mixed[1:], exact[1:])
+
+
+class _ScaledLlama(LlamaForCausalLM):
+    """Logits that are not lm_head(last hidden state): scaled by 2 after the head."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_check_split_refuses_logits_that_are_not_the_head():
+    torch.manual_seed(0)
+    CausalLM(LlamaForCausalLM(tiny_config("llama"))).check_split()  # the plain model passes
+    torch.manual_seed(0)
+    refusal = r"_ScaledLlama does not compute its logits as lm_head\(last hidden state\)"
+    with pytest.raises(ConfigError, match=refusal):
+        CausalLM(_ScaledLlama(tiny_config("llama"))).check_split()
+
+
+def _tiny_gemma2(softcap: float, noise: float = 0.1) -> tuple[CausalLM, CausalLM]:
+    """A random Gemma-2 target with final-logit soft-capping (sliding window 8 on one of two layers)
+    and a noisy copy as draft."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                          sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                          final_logit_softcapping=softcap, max_position_embeddings=8192, initializer_range=0.2,
+                          tie_word_embeddings=False, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn_like(param) * param.std() * noise if param.numel() > 1 else 0)
+    return CausalLM(target), CausalLM(draft)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one intra-op thread is several times faster on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_gemma2_softcap_head_sd_and_dropout_heads(one_thread):
+    """CausalLM.head applies Gemma-2's final-logit cap (it equals the model's own logits), greedy SD
+    equals AR on the capped model, and DropMatch heads at p_drop = 0 are the capped logits."""
+    from dropmatch.drafters import ModelDrafter
+    from dropmatch.engine import generate
+    from dropmatch.methods import dropout_head
+
+    from .conftest import random_prompt
+
+    cap = 1.5
+    target, draft = _tiny_gemma2(cap)
+    assert target.softcap == cap
+    target.check_split()
+    ids = random_prompt(0, max_len=20)
+    ids = torch.cat([ids, ids])  # past the sliding window
+    with torch.no_grad():
+        model_logits = target.model(ids.view(1, -1)).logits[0].float()
+        hidden = target.trunk(input_ids=ids.view(1, -1)).last_hidden_state[0]
+        raw = target.lm_head(hidden).float()
+    head = target.head(hidden)
+    torch.testing.assert_close(head, model_logits, atol=1e-5, rtol=1e-5)
+    assert raw.abs().max() > 2 * cap and head.abs().max() < cap  # the cap is active, and applied
+    for p_drop, atol in ((0.0, 1e-5), (0.3, None)):
+        heads = dropout_head(target, k=3, p_drop=p_drop, head_dtype="float32")
+        logits = heads.logits(hidden, head, heads.draw_masks(len(ids), torch.Generator().manual_seed(0)))
+        if atol is not None:
+            for i in range(3):
+                torch.testing.assert_close(logits[:, i], model_logits, atol=atol, rtol=1e-5)
+        else:
+            assert logits.abs().max() < cap and not torch.allclose(logits[:, 0], head)
+    for seed in range(3):
+        prompt = random_prompt(seed)
+        ar = generate(target, prompt, max_new_tokens=24).token_ids
+        for draft_len in (1, 4):
+            sd = generate(target, prompt, drafter=ModelDrafter(draft), draft_len=draft_len, max_new_tokens=24)
+            assert sd.token_ids == ar, (seed, draft_len)
+        assert any(a < d for a, d in zip(sd.stats.accepted_per_step, sd.stats.drafted_per_step, strict=True))

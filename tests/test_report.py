@@ -46,3 +46,39 @@ def test_side_by_side_uses_what_exists(tmp_path):
     assert by[quality] == pytest.approx(0.1) and paper[quality] == f"{94.29 - 94.69:.3f}"
     assert paper["tau gain SD+DM over SD, gsm8k, L=5"] == f"{5.50 / 4.97 - 1:.3f}"
     assert report.side_by_side(tmp_path / "missing", None, 0.03, "ours").empty
+
+
+def test_table6_uses_the_paper_tau_decode_speed_and_the_pairs_own_rows():
+    main = _main().assign(model="Qwen/Qwen3-32B / Qwen/Qwen3-4B", paper_tau=lambda f: f["tau"] + 1.0,
+                          **{"decode tokens/s": lambda f: f["tokens/s"] * ([1.0, 2.0] * 4),
+                             "tokens/s pooled": lambda f: f["tokens/s"]})
+    row = report.table6_side_by_side(main).query("task == 'gsm8k' and L == 10").iloc[0]
+    assert row["paper tau SD"] == 7.87 and "Qwen3-32B" in row["paper setup"]  # Qwen's Table 6 block
+    assert row["our tau SD"] == 4.0 and row["our tau gain"] == pytest.approx(5.5 / 4.0 - 1)
+    assert row["our speedup DM/SD"] == pytest.approx(2.4) and row["our e2e speedup DM/SD"] == pytest.approx(1.2)
+    llama = report.table6_side_by_side(_main()).query("task == 'gsm8k' and L == 10").iloc[0]
+    assert llama["paper tau SD"] == 7.62 and "Llama-3.1-70B" in llama["paper setup"]
+
+
+def test_side_by_side_setups_come_from_each_table(tmp_path):
+    report.table6_side_by_side(_main().assign(model="tiny")).to_csv(tmp_path / "table6_side_by_side.csv",
+                                                                   index=False)
+    pd.DataFrame({"task": ["komt_bench"] * 2, "name": ["SD", "SD+DM"], "tau": [2.0, 3.0], "paper_tau": [3.0, 6.0],
+                  "model": ["llama-3.3 / 8b"] * 2}).to_csv(tmp_path / "table10_korean.csv", index=False)
+    table = report.side_by_side(tmp_path, None, 0.03, "tiny: target float32 on cpu").set_index("comparison")
+    korean = table.loc["KoMT-bench tau gain SD+DM over SD"]
+    assert float(korean.ours) == pytest.approx(1.0)  # the paper's tau, not ours
+    assert "Llama-3.3-70B" in korean["paper setup"] and korean["our setup"].startswith("llama-3.3 / 8b")
+    gsm = table.loc["tau gain SD+DM over SD, gsm8k, L=5"]
+    assert gsm["our setup"] == "tiny: target float32 on cpu" and "Llama-3.1-70B" in gsm["paper setup"]
+    assert not any("A100" in s for s in table["our setup"])
+
+
+def test_setup_line_reads_the_loaded_models(tiny):
+    from dropmatch.models import ByteTokenizer, CausalLM, ModelPair, int8_draft
+
+    line = report.setup_line(tiny)
+    assert line.startswith("tiny-llama: target float32 on cpu, draft float32 on cpu;") and "int8" not in line
+    quantized = ModelPair(tiny.target, CausalLM(int8_draft(tiny.target.model), vocab_size=259), ByteTokenizer(), "q")
+    assert "draft int8 dynamic on cpu" in report.setup_line(quantized)
+    assert "float32" in report.figure_labels(tiny)[1]

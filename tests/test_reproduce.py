@@ -14,7 +14,7 @@ from dropmatch.reproduce import notebooks
 pytestmark = [pytest.mark.gemma,
               pytest.mark.skipif(not (data_dir() / "gsm8k").is_dir(), reason="benchmark data directory not found")]
 
-TIMING = ("tokens/s", "speedup", "verify_ms_per_step")
+TIMING = ("tokens/s", "tokens/s pooled", "decode tokens/s", "speedup", "speedup e2e", "verify_ms_per_step")
 
 
 def _reproduce(results, figures, *extra):

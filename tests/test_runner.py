@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from dropmatch.errors import ConfigError
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.paths import data_dir
-from dropmatch.runner import read_results, run_task
+from dropmatch.runner import lock_path, read_results, results_lock, run_task
 from dropmatch.summarize import bootstrap_ci, summarize_files
 
 pytestmark = pytest.mark.skipif(not (data_dir() / "mmlu").is_dir(), reason="benchmark data directory not found")
@@ -30,6 +31,27 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
 
 def _lines(path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+HOLD_LOCK = """
+import sys
+from dropmatch.runner import results_lock
+with results_lock(sys.argv[1]):
+    print("locked", flush=True)
+    sys.stdin.read()  # hold it until the test closes stdin (or kills this process)
+"""
+
+
+def _lock_holder(out) -> subprocess.Popen:
+    """Another process holding the writer's lock on ``out`` (it has it once this returns)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "locked\n"
+    return proc
+
+
+def _refused_by(pid: int, out) -> str:
+    return rf"{re.escape(str(out))} is being written by another run \(pid {pid}\b"
 
 
 def test_killed_run_resumes_to_the_same_results(tmp_path):
@@ -129,3 +151,51 @@ def test_summary_refuses_a_missing_headline_score():
               "stats": {"new_tokens": 4, "target_calls": 2, "tokens_per_s": 1.0}}
     with pytest.raises(ValueError, match="exact_match"):
         summarize_records([record])
+
+
+def test_a_second_writer_is_refused_while_another_process_writes_the_file(tiny, tmp_path):
+    out = tmp_path / "r.jsonl"
+    decoder = Decoder(tiny, MethodConfig("sd"))
+    holder = _lock_holder(out)
+    try:
+        assert lock_path(out).read_text().strip() == str(holder.pid)
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=_refused_by(holder.pid, out)):
+            run_task(decoder, "klue_nli", out, limit=1, max_new_tokens=4, progress=False)
+        assert time.monotonic() - start < 5.0  # refused at once, not after waiting
+        assert not out.exists() and not (tmp_path / "r.jsonl.env.json").exists()  # nothing written
+    finally:
+        holder.stdin.close()
+    assert holder.wait(timeout=60) == 0
+    records = run_task(decoder, "klue_nli", out, limit=1, max_new_tokens=4, progress=False)
+    assert len(records) == 1 and len(read_results(out)) == 1
+
+
+def test_a_killed_writer_releases_the_file_and_readers_need_no_lock(tiny, tmp_path):
+    out = tmp_path / "r.jsonl"
+    decoder = Decoder(tiny, MethodConfig("sd"))
+    run_task(decoder, "klue_nli", out, limit=1, max_new_tokens=4, progress=False)
+    holder = _lock_holder(out)
+    try:
+        assert len(read_results(out, repair=False)) == 1  # readers go on while a writer holds the lock
+        assert summarize_files([out])[0]["n"] == 1
+        with pytest.raises(ConfigError, match=_refused_by(holder.pid, out)):
+            run_task(decoder, "klue_nli", out, limit=2, max_new_tokens=4, progress=False)
+        assert len(read_results(out)) == 1
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # dies holding it: the kernel drops the flock
+        holder.wait()
+    assert [r["id"] for r in run_task(decoder, "klue_nli", out, limit=2, max_new_tokens=4, progress=False)] == \
+        [r["id"] for r in read_results(out)]
+    assert len(read_results(out)) == 2
+
+
+def test_the_writers_lock_excludes_a_second_holder_in_the_same_process(tmp_path):
+    out = tmp_path / "r.jsonl"
+    with results_lock(out) as path:
+        assert path == tmp_path / "r.jsonl.lock" and path.read_text() == f"{os.getpid()}\n"
+        with pytest.raises(ConfigError, match=_refused_by(os.getpid(), out)), results_lock(out):
+            pass
+    assert lock_path(out).read_text() == ""  # released: no stale pid left behind
+    with results_lock(out):
+        pass

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import random
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -109,3 +113,151 @@ def test_sample_with_uniform_skips_zero_mass():
     p = torch.tensor([0.0, 0.5, 0.0, 0.5])
     picks = {int(sample_with_uniform(p, u)) for u in torch.linspace(0, 0.999, 50)}
     assert picks == {1, 3}
+
+
+# --------------------------------------------------------------------------------------------
+# Draft length >= 3: every draft position, the correction at each of them, and the bonus row
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread is several times faster on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+MARKOV_V, MARKOV_L, MARKOV_TOKENS = 4, 3, 4  # vocabulary, draft length, output tokens compared
+
+
+def _markov_logits() -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and draft next-token logits (V, V), row = previous token; far apart."""
+    gen = torch.Generator().manual_seed(0)
+    target, draft = (torch.randn(MARKOV_V, MARKOV_V, generator=gen) * 1.5 for _ in range(2))
+    return target, draft
+
+
+def _markov_law(p: torch.Tensor, first: int, n_tokens: int) -> torch.Tensor:
+    """Exact law (V ** n_tokens,) of n_tokens steps of the chain ``p`` from ``first``, by enumeration."""
+    law = []
+    for seq in itertools.product(range(p.shape[0]), repeat=n_tokens):
+        prob, last = 1.0, first
+        for t in seq:
+            prob, last = prob * float(p[last, t]), t
+        law.append(prob)
+    return torch.tensor(law, dtype=torch.float64)
+
+
+def _pooled_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
+    """Chi-square p-value of ``counts`` against ``law``, cells with fewer than 5 expected pooled."""
+    assert counts[law == 0].sum() == 0, "a token of probability zero was emitted"
+    expected = law * counts.sum()
+    keep = expected >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)]).double()
+    wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+    return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
+
+
+class _ResidualOfPreviousPosition(VerifyInput):
+    """A bug to catch: the correction at position j uses the draft distribution of position j - 1
+    (of position 1 at j = 0)."""
+
+    def draft_distribution(self, j: int) -> torch.Tensor:
+        return super().draft_distribution(j - 1 if j else 1)
+
+
+def _markov_sd_counts(sampling: SamplingConfig, n: int, seed: int, input_type: type = VerifyInput,
+                      bonus_row: int = MARKOV_L) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts (V ** 4,) of the first 4 tokens of a full SD loop (draft length 3) on the two chains,
+    verified by :class:`StandardVerification`, and the histogram (L + 1,) of the first step's n_accepted.
+
+    ``bonus_row`` != L copies another row into the bonus row (a bug to catch)."""
+    logits, draft_logits = _markov_logits()
+    q = sampling.probs(draft_logits)  # what a model drafter samples from and reports
+    q_cdf = [list(itertools.accumulate(row)) for row in q.tolist()]
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    rule = StandardVerification()
+    hidden = torch.zeros(MARKOV_L + 1, 1)
+    counts = torch.zeros(MARKOV_V**MARKOV_TOKENS)
+    first_step = torch.zeros(MARKOV_L + 1)
+    for _ in range(n):
+        out = [0]
+        while len(out) <= MARKOV_TOKENS:
+            context = [out[-1]]
+            for _ in range(MARKOV_L):  # the draft samples its own chain
+                cdf = q_cdf[context[-1]]
+                context.append(min(bisect.bisect_right(cdf, rnd.random() * cdf[-1]), MARKOV_V - 1))
+            rows = logits[context].clone()
+            rows[MARKOV_L] = rows[bonus_row]
+            inp = input_type(torch.tensor(context[1:]), q[context[:-1]], rows, hidden, sampling, gen)
+            verdict = rule.verify(inp)
+            if len(out) == 1:
+                first_step[verdict.n_accepted] += 1
+            out += context[1 : 1 + verdict.n_accepted] + [verdict.next_token]
+        counts[int("".join(map(str, out[1 : MARKOV_TOKENS + 1])), MARKOV_V)] += 1
+    return counts, first_step
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_rule_preserves_target_law_at_every_draft_position(temperature, top_p, one_thread):
+    """A full SD loop with 3 draft tokens per step on a 4-token Markov chain: the joint law of the
+    first 4 emitted tokens (draft positions 1-3 and the bonus of the first step) is the target chain's."""
+    sampling = SamplingConfig(temperature, top_p)
+    counts, first_step = _markov_sd_counts(sampling, 6000, seed=5)
+    assert (first_step > 200).all(), first_step  # rejections at every position, and full accepts
+    law = _markov_law(sampling.probs(_markov_logits()[0]), 0, MARKOV_TOKENS)
+    assert _pooled_pvalue(counts, law) > P_MIN
+
+
+@pytest.mark.parametrize("bug", ["residual of the previous position", "bonus from the last draft row"])
+def test_position_bugs_are_caught(bug, one_thread):
+    """The test above can fail: a correction or a bonus drawn from the wrong row is rejected."""
+    sampling = SamplingConfig(1.0)
+    if bug.startswith("residual"):
+        counts, _ = _markov_sd_counts(sampling, 2000, seed=2, input_type=_ResidualOfPreviousPosition)
+    else:
+        counts, _ = _markov_sd_counts(sampling, 2000, seed=2, bonus_row=MARKOV_L - 1)
+    law = _markov_law(sampling.probs(_markov_logits()[0]), 0, MARKOV_TOKENS)
+    assert _pooled_pvalue(counts, law) < 1e-6
+
+
+def _exact_law_after_first(model: torch.nn.Module, prompt: torch.Tensor, vocab: int, n_tokens: int,
+                           sampling: SamplingConfig) -> torch.Tensor:
+    """Exact law (V ** n_tokens,) of generated tokens 1..n_tokens (token 0 summed out) under plain
+    sampling from ``model``, by enumerating every continuation in one batched forward."""
+    seqs = torch.tensor(list(itertools.product(range(vocab), repeat=n_tokens)))  # tokens 0..n-1
+    with torch.no_grad():
+        logits = model(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits[:, len(prompt) - 1 :]
+    p = sampling.probs(logits.double())  # (V ** n, n + 1, V): p[s, i] is the law of token i after s[:i]
+    rows = torch.arange(len(seqs))
+    prefix = torch.ones(len(seqs), dtype=torch.float64)
+    for i in range(n_tokens):
+        prefix = prefix * p[rows, i, seqs[:, i]]
+    joint = prefix.unsqueeze(-1) * p[:, n_tokens]  # (tokens 0..n-1, token n)
+    return joint.reshape(vocab, -1).sum(0)  # token 0 is the leading digit
+
+
+def test_engine_preserves_target_law_with_three_token_drafts(one_thread):
+    """Full SD runs with draft length 3 on a 4-token model (rejections and cache rollback at every
+    position): the joint law of generated tokens 1-4 (the first verify step's three draft positions
+    and its bonus, or the later steps after a rejection) is plain sampling's."""
+    vocab, n = 4, 600
+    pair = make_tiny("llama", seed=5, draft_noise=0.5, vocab_size=vocab)
+    sampling = SamplingConfig(1.0)
+    prompt = torch.tensor([2, 3, 0, 3, 1, 3])
+    counts = torch.zeros(vocab**4)
+    first_step = torch.zeros(4)
+    for seed in range(n):
+        result = generate(pair.target, prompt, drafter=ModelDrafter(pair.draft), draft_len=3, max_new_tokens=5,
+                          sampling=sampling, seed=seed)
+        counts[int("".join(map(str, result.token_ids[1:5])), vocab)] += 1
+        assert result.stats.drafted_per_step[0] == 3
+        first_step[result.stats.accepted_per_step[0]] += 1
+    assert (first_step > 30).all(), first_step  # the first step stops at every position, or accepts all
+    law = _exact_law_after_first(pair.target.model, prompt, vocab, 4, sampling)
+    assert _pooled_pvalue(counts, law) > P_MIN
+    # ... and this sample size would catch emitting the draft's own law
+    draft_law = _exact_law_after_first(pair.draft.model, prompt, vocab, 4, sampling)
+    assert _pooled_pvalue((draft_law * n).round(), law) < 1e-6

@@ -1,10 +1,11 @@
-"""Shared pieces of the benchmark scripts: fixed prompts and table printing."""
+"""Shared pieces of the benchmark scripts: fixed prompts, speed totals and table printing."""
 
 from __future__ import annotations
 
 import json
 import platform
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,60 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def describe_model(lm) -> str:
+    """What a loaded model is, from the model itself: ``int8 dynamic`` when torch's dynamic
+    quantization replaced its linear layers, else the dtype of its weights; and its device(s)."""
+    from torch.ao.nn.quantized import dynamic
+
+    modules = list(lm.model.modules())
+    kind = ("int8 dynamic" if any(isinstance(m, dynamic.Linear) for m in modules)
+            else str(next(lm.model.parameters()).dtype).replace("torch.", ""))
+    spread = getattr(lm.model, "hf_device_map", None)
+    devices = sorted({str(d) for d in spread.values()}) if spread and len(set(spread.values())) > 1 else [str(lm.device)]
+    return f"{kind} on {'+'.join(devices)}"
+
+
 def machine_line() -> str:
     return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
             f"torch {torch.__version__}, python {platform.python_version()}")
+
+
+SPEED_COLUMNS = ["tokens/s", "tokens/s mean", "decode tokens/s", "tau", "paper tau"]
+
+
+@dataclass
+class SpeedTotals:
+    """One method's totals over a benchmark's generations.
+
+    ``tokens/s`` is pooled end to end (total new tokens over total wall time, prefill included),
+    ``tokens/s mean`` the mean over generations, ``decode tokens/s`` pooled after the prefill (the
+    tokens after each generation's first over the time after its prefill), ``tau`` ours (new tokens
+    per target forward, prefill included) and ``paper tau`` the paper's (tokens per verify step).
+    """
+
+    tokens: int = 0
+    seconds: float = 0.0
+    prefill_s: float = 0.0
+    calls: int = 0
+    generations: int = 0
+    per_generation: list[float] = field(default_factory=list)
+    identical: bool = True
+
+    def add(self, n_tokens: int, seconds: float, prefill_s: float, calls: int = 0) -> None:
+        """One generation: its new tokens, wall time, prefill time and target forwards (0: unknown)."""
+        self.tokens += n_tokens
+        self.seconds += seconds
+        self.prefill_s += min(prefill_s, seconds)
+        self.calls += calls
+        self.generations += 1
+        self.per_generation.append(n_tokens / seconds if seconds > 0 else float("nan"))
+
+    def row(self) -> dict:
+        decode_s = self.seconds - self.prefill_s
+        decode_tokens = self.tokens - self.generations
+        return {"tokens/s": self.tokens / self.seconds if self.seconds > 0 else float("nan"),
+                "tokens/s mean": sum(self.per_generation) / len(self.per_generation) if self.per_generation
+                else float("nan"),
+                "decode tokens/s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
+                "tau": self.tokens / self.calls if self.calls else "",
+                "paper tau": decode_tokens / (self.calls - self.generations) if self.calls > self.generations else ""}

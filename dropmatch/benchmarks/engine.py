@@ -3,8 +3,11 @@
     python -m dropmatch.benchmarks.engine [--prompts 4] [--max-new-tokens 96] [--draft-len 5] [--repeats 2]
 
 All rows are measured in one process, interleaved prompt by prompt, on 4-shot GSM8K prompts with
-greedy decoding. Tokens/s is total new tokens over total wall time (prefill included) per method;
-speedups are ratios against rows of the same run.
+greedy decoding, after one warm-up generation per method. Tokens/s is total new tokens over total
+wall time (prefill included) per method, beside the mean over generations and the decode tokens/s
+after the prefill (Hugging Face rows: minus the time of a one-token ``generate`` on the same prompt);
+tau is ours (per target forward, prefill included), paper tau per verify step. Speedups are ratios
+against rows of the same run, end to end and (``decode vs HF plain``) after the prefill.
 """
 
 from __future__ import annotations
@@ -15,9 +18,17 @@ import time
 import torch
 
 from ..drafters import ModelDrafter, NgramDrafter
+from ..drafters.eagle3 import Eagle3Drafter, committed_head, load_head
 from ..engine import generate
 from ..models import load_pair
-from .common import format_table, gsm8k_fewshot_prompts, machine_line
+from .common import (
+    SPEED_COLUMNS,
+    SpeedTotals,
+    describe_model,
+    format_table,
+    gsm8k_fewshot_prompts,
+    machine_line,
+)
 
 
 def _hf_runner(pair, **kwargs):
@@ -39,7 +50,7 @@ def _our_runner(pair, drafter_factory, draft_len):
         drafter = drafter_factory() if drafter_factory else None
         result = generate(pair.target, ids, drafter=drafter, draft_len=draft_len, max_new_tokens=max_new,
                           eos_token_ids=pair.eos_token_ids)
-        return result.token_ids, result.stats.wall_s, result.stats.target_calls
+        return result.token_ids, result.stats.wall_s, result.stats.target_calls, result.stats.prefill_s
 
     return run
 
@@ -50,48 +61,64 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft-len", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (interleaved)")
+    parser.add_argument("--only", nargs="+", help="rows whose name contains one of these (HF plain is always run)")
     args = parser.parse_args(argv)
 
     pair = load_pair("gemma-3-270m")
+    pair.target.prepare()  # the screened head: built before any clock starts
     L = args.draft_len
+    kind = describe_model(pair.draft).split(" on ")[0]  # e.g. "int8 dynamic", read off the loaded draft
     hf_assist = dict(assistant_model=pair.draft.model, num_assistant_tokens=L,
                      num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
     methods = {
         "HF generate (plain)": _hf_runner(pair),
-        f"HF assisted (int8 draft, L={L})": _hf_runner(pair, **hf_assist),
+        f"HF assisted ({kind} draft, L={L})": _hf_runner(pair, **hf_assist),
         f"HF prompt lookup (L={L})": _hf_runner(pair, prompt_lookup_num_tokens=L),
         "ours AR": _our_runner(pair, None, L),
-        f"ours SD (int8 draft, L={L})": _our_runner(pair, lambda: ModelDrafter(pair.draft), L),
+        f"ours SD ({kind} draft, L={L})": _our_runner(pair, lambda: ModelDrafter(pair.draft), L),
         f"ours SD (n-gram, L={L})": _our_runner(pair, NgramDrafter, L),
     }
+    eagle3_row = f"ours SD (EAGLE-3, L={L})"
+    head_dir = committed_head(pair.name)
+    if head_dir is not None:  # the committed EAGLE-3 head (make train-draft)
+        eagle3 = load_head(head_dir, pair.target)
+        methods[eagle3_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target), L)
+    if args.only:
+        methods = {k: v for k, v in methods.items() if k == "HF generate (plain)" or any(s in k for s in args.only)}
     prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
     for run in methods.values():  # warm-up
         run(prompts[0][:64], 8)
-    totals = {name: {"tokens": 0, "seconds": 0.0, "calls": 0, "identical": True} for name in methods}
+    totals = {name: SpeedTotals() for name in methods}
+    hf_prefill = _hf_runner(pair)
     reference: dict[int, list[int]] = {}
     for _ in range(args.repeats):
         for i, ids in enumerate(prompts):
+            prefill_s = hf_prefill(ids, 1)[1]  # HF rows: the prefill is a one-token generate's time
             for name, run in methods.items():
                 out = run(ids, args.max_new_tokens)
                 tokens, seconds = out[0], out[1]
                 reference.setdefault(i, tokens if name.startswith("HF generate") else None)
-                row = totals[name]
-                row["tokens"] += len(tokens)
-                row["seconds"] += seconds
-                row["calls"] += out[2] if len(out) > 2 else 0
-                row["identical"] &= tokens == reference[i]
-    plain = totals["HF generate (plain)"]["tokens"] / totals["HF generate (plain)"]["seconds"]
-    assisted_name = f"HF assisted (int8 draft, L={L})"
-    assisted = totals[assisted_name]["tokens"] / totals[assisted_name]["seconds"]
+                totals[name].add(len(tokens), seconds, out[3] if len(out) > 3 else prefill_s,
+                                 out[2] if len(out) > 2 else 0)
+                totals[name].identical &= tokens == reference[i]
+    plain = totals["HF generate (plain)"].row()
+    assisted_t = totals.get(f"HF assisted ({kind} draft, L={L})")
+    assisted = assisted_t.row() if assisted_t else None
+    ours_ar = totals["ours AR"].row() if "ours AR" in totals else None
     rows = []
     for name, t in totals.items():
-        speed = t["tokens"] / t["seconds"]
-        rows.append({"method": name, "tokens/s": speed, "tau": t["tokens"] / t["calls"] if t["calls"] else "",
-                     "vs HF plain": speed / plain, "vs HF assisted": speed / assisted,
-                     "identical to greedy": "yes" if t["identical"] else "NO"})
+        speeds = t.row()
+        rows.append({"method": name, **speeds, "vs HF plain": speeds["tokens/s"] / plain["tokens/s"],
+                     "vs HF assisted": speeds["tokens/s"] / assisted["tokens/s"] if assisted else "",
+                     "vs ours AR": speeds["tokens/s"] / ours_ar["tokens/s"] if ours_ar else "",
+                     "decode vs HF plain": speeds["decode tokens/s"] / plain["decode tokens/s"],
+                     "identical to greedy": "yes" if t.identical else "NO"})
     print(f"# engine benchmark: {len(prompts)} 4-shot GSM8K prompts x {args.repeats}, "
           f"{args.max_new_tokens} new tokens, greedy; {machine_line()}")
-    print(format_table(rows, ["method", "tokens/s", "tau", "vs HF plain", "vs HF assisted", "identical to greedy"]))
+    print(format_table(rows, ["method", *SPEED_COLUMNS, "vs HF plain", "vs HF assisted", "vs ours AR",
+                              "decode vs HF plain", "identical to greedy"]))
+    if eagle3_row in totals and not totals[eagle3_row].identical:
+        raise SystemExit(f"{eagle3_row}: output differs from greedy decoding")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Drafters propose tokens; the engine verifies them. One protocol (:class:`Drafter`), one module each."""
 
-from .base import Draft, Drafter
+from .base import Draft, Drafter, FeatureDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter, lookup
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "lookup"]
+__all__ = ["Draft", "Drafter", "FeatureDrafter", "ModelDrafter", "NgramDrafter", "lookup"]

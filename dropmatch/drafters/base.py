@@ -8,7 +8,7 @@ lookup.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -29,11 +29,22 @@ class Draft:
 class Drafter(Protocol):
     name: str
 
-    def start(self, prompt_ids: torch.Tensor) -> None:
-        """Reset for a new sequence; ``prompt_ids`` (n,) are the prompt tokens."""
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        """Reset for a new sequence; ``prompt_ids`` (n,) are the prompt tokens. ``features`` (n, k d):
+        the target's states at its ``feature_layers`` for :class:`FeatureDrafter` s, else ``None``."""
 
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         """Up to ``n`` tokens following the context plus ``last_token`` (the newest emitted token)."""
 
-    def commit(self, n_accepted: int) -> None:
-        """The target kept the first ``n_accepted`` tokens of the last proposal."""
+    def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
+        """The target kept the first ``n_accepted`` tokens of the last proposal. ``features``
+        (n_accepted + 1, k d), for :class:`FeatureDrafter` s: the target's states at the newest emitted
+        token and the kept draft tokens."""
+
+
+@runtime_checkable
+class FeatureDrafter(Protocol):
+    """A drafter that reads the target's hidden states (EAGLE-3): the engine then runs the trunk with
+    these ``hidden_states`` indices (the input to decoder layer i) and passes them to ``start``/``commit``."""
+
+    feature_layers: tuple[int, ...]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import PromptTooLongError
 from ..models import CausalLM, rollback
 from ..sampling import SamplingConfig, sample_with_uniform
 from .base import Draft
@@ -16,6 +17,10 @@ class ModelDrafter:
     the next ``propose`` feeds in one forward pass together with ``last_token``.
     Greedy drafts take the argmax; under sampling the draft samples from its own tempered /
     top-p distribution (needed for speculative sampling to stay lossless).
+
+    Context length: the draft never runs past its ``max_positions``. Near the end of its context it
+    proposes fewer tokens, then none (the target then emits one token per step, still exactly); a
+    prompt longer than that context is a :class:`~dropmatch.errors.PromptTooLongError`.
     """
 
     name = "model"
@@ -26,13 +31,20 @@ class ModelDrafter:
         self._pending: list[int] = []
         self._proposed: list[int] = []
 
-    def start(self, prompt_ids: torch.Tensor) -> None:
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        if prompt_ids.numel() > self.model.max_positions:
+            raise PromptTooLongError(
+                f"prompt of {prompt_ids.numel()} tokens exceeds the draft model's context of "
+                f"{self.model.max_positions} tokens; shorten the prompt or use a draft with a longer context"
+            )
         self.cache, _ = self.model.new_cache(rollback=True, prompt_ids=prompt_ids)
         self._pending, self._proposed = [], []
 
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         device = self.model.device
         feed = self._pending + [last_token]
+        # feeding ``feed`` and then n - 1 proposals takes positions up to cache + len(feed) + n - 2
+        n = min(n, self.model.max_positions - self.cache.get_seq_length() - len(feed) + 1)
         if n <= 0:
             self._pending, self._proposed = feed, []
             return Draft(torch.empty(0, dtype=torch.long, device=device))
@@ -55,7 +67,7 @@ class ModelDrafter:
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         return Draft(ids, logits=stacked) if sampling.greedy else Draft(ids, probs=stacked)
 
-    def commit(self, n_accepted: int) -> None:
+    def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
         n = len(self._proposed)
         if n == 0:
             return

@@ -26,7 +26,7 @@ class NgramDrafter:
         self._proposed: list[int] = []
         self.device = torch.device("cpu")
 
-    def start(self, prompt_ids: torch.Tensor) -> None:
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self.context = prompt_ids.tolist()
         self.device = prompt_ids.device
         self._proposed = []
@@ -37,7 +37,7 @@ class NgramDrafter:
         self._proposed = tokens
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device))
 
-    def commit(self, n_accepted: int) -> None:
+    def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
         self.context.extend(self._proposed[:n_accepted])
 
 

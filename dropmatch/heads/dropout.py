@@ -2,23 +2,40 @@
 
 Dropout goes on the *input* of the unchanged LM head only: for a last hidden state h (d,),
 head i sees h * m_i / (1 - p_drop) with m_i ~ Bernoulli(1 - p_drop)^d. The trunk and the KV cache
-run once. Head logits are computed as the dropout-free logits plus the logit perturbation
+run once. Two ways to get the K head logits from the dropout-free logits ``W h`` (V,):
 
-    W (h * m_i / (1 - p) - h)  =  W (h * (m_i / (1 - p) - 1)),
+* **dense** (the perturbation GEMM): ``W h + W (h * (m_i / (1 - p) - 1))``. The perturbation rows are
+  dense, so each head costs one full row of a head GEMM; in bfloat16 they ride in the verification
+  GEMM itself (``DropMatch.prefetch``).
+* **sparse** (the dropped-column identity): with D_i the dropped coordinates of head i,
+  ``W (h * m_i) / (1 - p) = (W h - W[:, D_i] h_{D_i}) / (1 - p)``, so a head costs |D_i| / d of a head
+  row: the union U of the dropped columns of the K heads is gathered from a transposed copy of the
+  weight (W^T is (d, V), so a column of W is a contiguous row of W^T) and one (K, |U|) x (|U|, V) GEMM
+  gives the K corrections. At the equal-noise p_drop of a 640-wide model (~0.03) and K = 5, |U| is
+  ~15 % of d.
 
-which is the same quantity as ``W (h * m_i / (1 - p))`` in exact arithmetic, and lets the perturbation
-GEMM run in a faster dtype (bfloat16 by default) while the dropout-free logits stay in the model's
-own precision. With p_drop = 0 the perturbation is exactly zero, so every head equals the
-dropout-free head bit for bit.
+:attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
+dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d
+(default 0.35: the gathered columns are read twice, copied then multiplied, and the dense rows ride
+almost free in the verification GEMM). With p_drop = 0 both paths give every head equal to the
+dropout-free logits bit for bit (the perturbation, resp. the correction, is exactly zero).
+
+Masks are drawn on the weight's device from a ``torch.Generator`` of that device, seeded from the
+step's CPU generator: the same seed gives the same output, but a GPU run and a CPU run draw different
+masks (different generator algorithms), so their DropMatch outputs may differ.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .screened import bf16_matmul_supported
+from .screened import bf16_matmul_supported, rounding_bound
+
+SPARSE_MAX_FRACTION = 0.35
 
 
 def check_dropout_args(k: int, p_drop: float) -> None:
@@ -48,6 +65,23 @@ def dropout_inputs(hidden: torch.Tensor, masks: torch.Tensor, p_drop: float) -> 
     return hidden.float().unsqueeze(1) * keep_scale(masks, p_drop)
 
 
+def expected_union_fraction(k: int, p_drop: float) -> float:
+    """Expected share of the d coordinates dropped by at least one of K heads: 1 - (1 - p)^K."""
+    return 1.0 - (1.0 - p_drop) ** k
+
+
+def device_generator(generator: torch.Generator, device: torch.device, consume: bool = True) -> torch.Generator:
+    """A generator on ``device`` seeded from the CPU ``generator`` (reproducible): by one 63-bit draw
+    (``consume``), or by a hash of its state, leaving its stream untouched (so a rule that draws its
+    masks this way consumes exactly the randomness standard verification does)."""
+    if consume:
+        seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
+    else:
+        digest = hashlib.blake2b(generator.get_state().numpy().tobytes(), digest_size=8).digest()
+        seed = int.from_bytes(digest, "little") & (2**63 - 1)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 class DropoutHead:
     """K dropout samples of an LM head.
 
@@ -55,31 +89,64 @@ class DropoutHead:
         weight: LM-head weight (V, d), the shared-vocabulary rows.
         k: number of heads K.
         p_drop: dropout probability on the head's input.
-        compute_dtype: dtype of the perturbation GEMM; ``None`` picks bfloat16 (float16 for
-            float16 weights). Pass ``torch.float32`` for a strict full-precision head.
-        softcap: final-logit soft-capping of the model (Gemma-2), or ``None``.
+        compute_dtype: dtype of the dense perturbation GEMM and of the transposed weight of the sparse
+            path; ``None`` picks bfloat16 (float16 for float16 weights). ``torch.float32`` gives
+            full-precision heads on both paths.
+        softcap: final-logit soft-capping of the model (Gemma-2), or ``None`` (capped heads are
+            computed directly: no additive identity holds through tanh).
         weight_in_compute_dtype: ``weight`` already converted, to share one copy.
+        sparse: force the sparse (True) or dense (False) path; ``None`` applies the cost rule.
+        sparse_max_fraction: the cost rule's threshold on the expected dropped-union fraction.
     """
 
     def __init__(self, weight: torch.Tensor, k: int = 5, p_drop: float = 0.3,
                  compute_dtype: torch.dtype | None = None, softcap: float | None = None,
-                 weight_in_compute_dtype: torch.Tensor | None = None):
+                 weight_in_compute_dtype: torch.Tensor | None = None, sparse: bool | None = None,
+                 sparse_max_fraction: float = SPARSE_MAX_FRACTION):
         check_dropout_args(k, p_drop)
         self.k, self.p_drop, self.softcap = k, float(p_drop), softcap
         if compute_dtype is None:
             compute_dtype = torch.float16 if weight.dtype == torch.float16 else torch.bfloat16
         self.compute_dtype = compute_dtype
         self.weight = weight.detach()
-        if weight_in_compute_dtype is None:
-            weight_in_compute_dtype = self.weight.to(compute_dtype)
-        self._weight_c = weight_in_compute_dtype
+        self._weight_c_given = weight_in_compute_dtype
+        self._weight_c: torch.Tensor | None = weight_in_compute_dtype
+        self._weight_t: torch.Tensor | None = None
+        if sparse is None:
+            sparse = expected_union_fraction(k, self.p_drop) <= sparse_max_fraction
+        self.sparse = bool(sparse) and not softcap
+        self.max_row_norm = float(self.weight.float().norm(dim=1).max()) if self.weight.numel() else 0.0
 
-    def draw_masks(self, n_positions: int, generator: torch.Generator) -> torch.Tensor:
-        """Keep-masks (n_positions, K, d), bool, drawn on the CPU generator for reproducibility."""
+    # -- weights ---------------------------------------------------------------------------------
+    @property
+    def weight_c(self) -> torch.Tensor:
+        """The weight (V, d) in the compute dtype (converted on first use unless shared)."""
+        if self._weight_c is None:
+            self._weight_c = self.weight.to(self.compute_dtype)
+        return self._weight_c
+
+    @property
+    def weight_t(self) -> torch.Tensor:
+        """The transposed weight (d, V), compute dtype, contiguous: column u of W is row u (built once)."""
+        if self._weight_t is None:
+            self._weight_t = self.weight.to(self.compute_dtype).T.contiguous()
+        return self._weight_t
+
+    # -- randomness ------------------------------------------------------------------------------
+    def draw_masks(self, n_positions: int, generator: torch.Generator, consume: bool = True) -> torch.Tensor:
+        """Keep-masks (n_positions, K, d), bool, on the weight's device.
+
+        Drawn there with a device generator seeded by one draw from the step's CPU ``generator``
+        (no host-to-device copy; same seed, same masks; GPU and CPU runs draw different masks).
+        ``consume=False`` seeds from a hash of the generator's state instead (see :func:`device_generator`).
+        """
+        device = self.weight.device
         d = self.weight.shape[1]
-        uniform = torch.rand((n_positions, self.k, d), generator=generator)
-        return (uniform >= self.p_drop).to(self.weight.device)
+        gen = device_generator(generator, device, consume)
+        uniform = torch.rand((n_positions, self.k, d), generator=gen, device=device)
+        return uniform >= self.p_drop
 
+    # -- dense path ------------------------------------------------------------------------------
     def perturbation_inputs(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         """Rows (n * K, d) in the compute dtype whose head products are the logit perturbations."""
         delta = hidden.float().unsqueeze(1) * (keep_scale(masks, self.p_drop) - 1.0)  # (n, K, d)
@@ -90,6 +157,27 @@ class DropoutHead:
         n = clean_logits.shape[0]
         return clean_logits.unsqueeze(1) + products.float().view(n, self.k, -1)
 
+    # -- sparse path -----------------------------------------------------------------------------
+    def corrections(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """``W[:, D_i] h_{D_i}`` for every head: (n, K, V) float32, from ``hidden`` (n, d), ``masks`` (n, K, d).
+
+        One gathered matrix over the union of the dropped columns of all n * K heads, one GEMM.
+        """
+        n, k, d = masks.shape
+        dropped = ~masks  # (n, K, d)
+        union = dropped.reshape(-1, d).any(0).nonzero().squeeze(-1)  # (|U|,)
+        vocab = self.weight.shape[0]
+        if union.numel() == 0:
+            return torch.zeros((n, k, vocab), dtype=torch.float32, device=hidden.device)
+        coeffs = (hidden.float().unsqueeze(1) * dropped)[..., union].reshape(n * k, -1)  # (n K, |U|)
+        columns = self.weight_t.index_select(0, union)  # (|U|, V)
+        return torch.mm(coeffs.to(columns.dtype), columns).float().view(n, k, vocab)
+
+    def sparse_logits(self, clean_logits: torch.Tensor, corrections: torch.Tensor) -> torch.Tensor:
+        """Head logits (n, K, V): ``(W h - W[:, D] h_D) / (1 - p)`` from clean logits (n, V), corrections (n, K, V)."""
+        return (clean_logits.float().unsqueeze(1) - corrections) / (1.0 - self.p_drop)
+
+    # -- heads -----------------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,
                products: torch.Tensor | None = None) -> torch.Tensor:
         """Head logits (n, K, V) float32.
@@ -99,11 +187,53 @@ class DropoutHead:
             clean_logits: dropout-free logits (n, V) float32 (after soft-capping if any).
             masks: keep-masks (n, K, d) from :meth:`draw_masks`.
             products: ``W @ perturbation_inputs(hidden, masks).T`` if already computed (e.g. fused
-                into the verification GEMM), else computed here.
+                into the verification GEMM): the dense path is then taken whatever :attr:`sparse` says.
         """
         if self.softcap:  # capped logits are not additive in the perturbation: compute directly
-            raw = F.linear(dropout_inputs(hidden, masks, self.p_drop).to(self.weight.dtype), self.weight).float()
-            return torch.tanh(raw / self.softcap) * self.softcap
-        if products is None:
-            products = F.linear(self.perturbation_inputs(hidden, masks), self._weight_c)
-        return self.combine(clean_logits, products)
+            return self.exact_logits(hidden, masks)
+        if products is not None:
+            return self.combine(clean_logits, products)
+        if self.sparse:
+            return self.sparse_logits(clean_logits, self.corrections(hidden, masks))
+        return self.combine(clean_logits, F.linear(self.perturbation_inputs(hidden, masks), self.weight_c))
+
+    def exact_logits(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """Head logits (n, K, V) in the weight's own precision, ``W (h * m / (1 - p))`` (soft-capped if any)."""
+        raw = F.linear(dropout_inputs(hidden, masks, self.p_drop).to(self.weight.dtype), self.weight).float()
+        return torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw
+
+    def exact_on(self, hidden: torch.Tensor, masks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Exact head logits (n, K, |tokens|) on a token subset (rows of W gathered, weight precision)."""
+        rows = self.weight.index_select(0, tokens)
+        raw = F.linear(dropout_inputs(hidden, masks, self.p_drop).to(rows.dtype), rows).float()
+        return torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw
+
+    def error_bounds(self, hidden: torch.Tensor, masks: torch.Tensor, clean_logits: torch.Tensor,
+                     head_logits: torch.Tensor, clean_bound: torch.Tensor | float, fused: bool) -> torch.Tensor:
+        """Bounds (n, K), in logits (nats), on |approx - exact| of every head logit from :meth:`logits`.
+
+        Args:
+            hidden, masks: (n, d) and (n, K, d) as for :meth:`logits`.
+            clean_logits, head_logits: (n, V) and (n, K, V), the inputs and outputs of :meth:`logits`.
+            clean_bound: (n,) or scalar bound on the clean logits' error (0 when they are exact, the
+                screened head's bound when they were screened).
+            fused: whether the dense products came from the verification GEMM (dense path).
+
+        Adds the rounding bound of the compute-dtype product (dense: the perturbation rows; sparse:
+        the gathered columns); a float32 product counts as exact (the reference precision).
+        """
+        clean = torch.as_tensor(clean_bound, dtype=torch.float32, device=hidden.device).reshape(-1, 1)
+        if self.softcap:  # computed directly in the weight's precision
+            return torch.zeros(head_logits.shape[:2], device=hidden.device)
+        h = hidden.float().unsqueeze(1)
+        clean_mag = clean_logits.float().abs().amax(-1, keepdim=True)  # (n, 1)
+        head_mag = head_logits.abs().amax(-1)  # (n, K)
+        d = self.weight.shape[1]
+        if fused or not self.sparse:
+            delta_norm = (h * (keep_scale(masks, self.p_drop) - 1.0)).norm(dim=-1)
+            prod = rounding_bound(self.compute_dtype, d, self.max_row_norm, delta_norm, head_mag + clean_mag)
+            return clean + prod
+        dropped_norm = (h * ~masks).norm(dim=-1)  # (n, K): ||h_D||
+        prod = rounding_bound(self.compute_dtype, d, self.max_row_norm, dropped_norm,
+                              clean_mag + (1.0 - self.p_drop) * head_mag)
+        return (clean + prod) / (1.0 - self.p_drop)

@@ -29,6 +29,22 @@ def bf16_matmul_supported() -> bool:
         return False
 
 
+_UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def rounding_bound(dtype: torch.dtype, d: int, max_row_norm: float, x_norm: torch.Tensor,
+                   out_magnitude: torch.Tensor) -> torch.Tensor:
+    """Bound on |W x - fl(W x)| per logit for a GEMM whose inputs are rounded to ``dtype`` (fp32
+    accumulation over ``d`` terms, output rounded to ``dtype``), in logits: (2u + u^2 + 2 d 2^-24)
+    max_v ||W_v|| ||x|| + u / (1 - u) |output|, times 1.05 for slack. Zero for float32 or wider
+    (float32 is the reference precision of "exact" logits). ``x_norm`` and ``out_magnitude`` broadcast.
+    """
+    u = _UNIT_ROUNDOFF.get(dtype)
+    if u is None:
+        return torch.zeros_like(x_norm * out_magnitude)
+    return 1.05 * (2 * u + u * u + 2 * d * 2.0**-24) * max_row_norm * x_norm + 1.05 * u / (1 - u) * out_magnitude
+
+
 class ScreenedHead:
     """Logits (n, V) float32 whose argmax is exact; see the module docstring.
 
@@ -56,7 +72,8 @@ class ScreenedHead:
     def error_bound(self, approx: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Bound (n, 1) on max_v |approx - exact| for bfloat16 logits ``approx`` (n, V) of ``hidden`` (n, d)."""
         x_norm = hidden.float().norm(dim=-1, keepdim=True)
-        return self.input_bound * self.max_row_norm * x_norm + self.output_bound * approx.abs().amax(-1, keepdim=True)
+        return rounding_bound(torch.bfloat16, self.weight.shape[1], self.max_row_norm, x_norm,
+                              approx.abs().amax(-1, keepdim=True))
 
     def __call__(self, hidden: torch.Tensor, extra: torch.Tensor | None = None):
         """Logits (n, V); with ``extra`` rows (m, d), also their plain bfloat16 products (m, V) float32,

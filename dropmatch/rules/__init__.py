@@ -4,6 +4,7 @@
 * :mod:`.standard`: lossless verification, and :class:`RelaxedVerification` for lossy criteria;
 * :mod:`.dropmatch`: DropMatch's criteria on K dropout heads (naive / majority / js / js+majority);
 * :mod:`.rivals`: top-K, typical acceptance, divergence thresholds;
+* :mod:`.fly`: FLy (entropy gate + deferred window); :mod:`.ensemble`: static ensemble verification (DIVERSED);
 * :mod:`.judge`: an AutoJudge-style trained classifier as a criterion; :mod:`.combine`: ``AnyOf``;
 * :mod:`.divergence`: KL, JS and entropy.
 
@@ -13,11 +14,13 @@ Nothing here imports models, drafters, the engine or tasks (``tests/test_layout.
 from .base import Criterion, PositionTest, Prefetch, Prefetching, Verdict, VerificationRule, VerifyInput
 from .combine import AnyOf
 from .dropmatch import CRITERIA, MAJORITY_RULES, DropMatch
+from .ensemble import StaticEnsembleVerification
+from .fly import FLyVerification
 from .rivals import DivergenceThreshold, TopK, TypicalAcceptance
 from .standard import RelaxedVerification, StandardVerification
 
 __all__ = [
-    "CRITERIA", "MAJORITY_RULES", "AnyOf", "Criterion", "DivergenceThreshold", "DropMatch", "PositionTest",
-    "Prefetch", "Prefetching", "RelaxedVerification", "StandardVerification", "TopK", "TypicalAcceptance",
-    "Verdict", "VerificationRule", "VerifyInput",
+    "CRITERIA", "MAJORITY_RULES", "AnyOf", "Criterion", "DivergenceThreshold", "DropMatch", "FLyVerification",
+    "PositionTest", "Prefetch", "Prefetching", "RelaxedVerification", "StandardVerification",
+    "StaticEnsembleVerification", "TopK", "TypicalAcceptance", "Verdict", "VerificationRule", "VerifyInput",
 ]

@@ -11,14 +11,36 @@ For a draft token x at a position, the K heads give logits l_1..l_K (K, V):
 * ``js+majority`` (Algorithm 1, the default): js OR majority.
 
 Distributions are untempered under greedy decoding and tempered / top-p under sampling.
+
+**Head votes under sampling.** A head "picks" the draft token x when speculative sampling under that
+head would accept it with the step's own uniform u_j: u_j q(x) < p_i(x) (the standard rule accepts
+when u_j q(x) < p(x)). With p_drop = 0 every head equals the target, so naive and majority accept
+exactly where speculative sampling does and DropMatch reduces to standard verification (sampling K
+head tokens instead would accept near-misses by sampling noise alone, even at p_drop = 0). Under
+sampling both majority rules mean "more heads accept than reject". The uniforms are the standard
+rule's: :meth:`DropMatch.prepare` reads them from a copy of the step generator, which the standard
+rule draws from right after the criterion (:class:`~dropmatch.rules.standard.RelaxedVerification`).
+
+**Exact decisions on inexact logits.** Greedy verification may hand over screened bfloat16 logits
+(exact argmax, bfloat16 accuracy off the top tokens), and the bfloat16 perturbation / correction GEMMs
+add rounding. Each head logit then carries a rigorous bound eps_i (nats). At an evaluated position the
+tokens near each head's top are recomputed exactly (float32 rows of W), and the decision is taken
+only if the bounds certify it (:func:`certified_decide`: head argmaxes, per-head acceptance
+probabilities and the JS comparison with a bound on how far JS can move, see :func:`js_error_bound`);
+otherwise the K heads are recomputed exactly. Decisions therefore equal those computed from exact
+float32 head logits.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
 from ..heads.dropout import DropoutHead
+from ..heads.screened import rounding_bound
 from ..sampling import SamplingConfig, sample_with_uniform
 from .base import PositionTest, Prefetch, VerifyInput
 from .divergence import js_divergence
@@ -35,11 +57,24 @@ def check_criterion_args(criterion: str, majority: str = "strict") -> None:
         raise ConfigError(f"unknown majority rule {majority!r}; choose strict or plurality")
 
 
+JS_SLACK = 1e-6  # nats: float32 evaluation noise of a JS value over the vocabulary
+
+
 def head_tokens(head_logits: torch.Tensor, sampling: SamplingConfig, uniforms: torch.Tensor | None) -> torch.Tensor:
-    """Token of each head (K,): argmax under greedy decoding, else a sample with ``uniforms`` (K,)."""
-    if sampling.greedy:
+    """Token of each head (K,): argmax under greedy decoding, else a sample with ``uniforms`` (K,)
+    (the pre-vote reading of sampling, kept for analyses; :func:`decide` uses :func:`head_votes`)."""
+    if sampling.greedy or uniforms is None:
         return head_logits.argmax(dim=-1)
     return sample_with_uniform(sampling.probs(head_logits), uniforms)
+
+
+def head_votes(head_logits: torch.Tensor, draft_token: int, sampling: SamplingConfig,
+               vote_threshold: float | None) -> torch.Tensor:
+    """Whether each head picks ``draft_token`` (K,) bool: its argmax under greedy decoding; under
+    sampling, speculative acceptance under the head, p_i(x) > ``vote_threshold`` (= u_j q(x))."""
+    if sampling.greedy or vote_threshold is None:
+        return head_logits.argmax(dim=-1) == draft_token
+    return sampling.probs(head_logits)[:, draft_token] > vote_threshold
 
 
 def majority_accepts(tokens: torch.Tensor, draft_token: int, rule: str = "strict") -> bool:
@@ -51,87 +86,265 @@ def majority_accepts(tokens: torch.Tensor, draft_token: int, rule: str = "strict
     return votes > 0 and (others.numel() == 0 or votes > int(others.unique(return_counts=True)[1].max()))
 
 
-def js_accepts(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: SamplingConfig) -> bool:
-    """JS(q || c) <= max_i JS(p_i || c) with c = softmax of the mean head logits (Eqs. 5-6)."""
+def _votes_decide(criterion: str, votes: torch.Tensor, tokens: torch.Tensor | None, draft_token: int,
+                  majority: str) -> bool:
+    if criterion == "naive":
+        return bool(votes.any())
+    if tokens is None:  # sampling votes: more heads accept than reject
+        return 2 * int(votes.sum()) > votes.numel()
+    return majority_accepts(tokens, draft_token, majority)
+
+
+def js_values(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: SamplingConfig):
+    """(JS(q || c), JS(p_i || c) (K,), p_i (K, V), c (V,)) with c = softmax of the mean head logits."""
     # mean of the logits, written so that K identical heads give exactly that head (JS radius 0)
     centroid = sampling.probs(head_logits[0] + (head_logits - head_logits[0]).mean(dim=0))
-    radius = js_divergence(sampling.probs(head_logits), centroid).max()
-    return bool(js_divergence(draft_dist, centroid) <= radius)
+    probs = sampling.probs(head_logits)
+    return js_divergence(draft_dist, centroid), js_divergence(probs, centroid), probs, centroid
+
+
+def js_accepts(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: SamplingConfig) -> bool:
+    """JS(q || c) <= max_i JS(p_i || c) with c = softmax of the mean head logits (Eqs. 5-6)."""
+    draft_js, radii, _, _ = js_values(head_logits, draft_dist, sampling)
+    return bool(draft_js <= radii.max())
 
 
 def decide(criterion: str, head_logits: torch.Tensor, draft_token: int, draft_dist: torch.Tensor,
-           sampling: SamplingConfig, uniforms: torch.Tensor | None, majority: str = "strict") -> bool:
-    """One DropMatch decision from the K head logits (K, V) at one position."""
+           sampling: SamplingConfig, uniforms: torch.Tensor | None = None, majority: str = "strict",
+           vote_threshold: float | None = None) -> bool:
+    """One DropMatch decision from the K head logits (K, V) at one position.
+
+    Under sampling, pass ``vote_threshold`` = u_j q(x) for the head votes of the module docstring;
+    without it (legacy), heads vote with tokens sampled from ``uniforms`` (K,).
+    """
     if criterion == "js":
         return js_accepts(head_logits, draft_dist, sampling)
-    tokens = head_tokens(head_logits, sampling, uniforms)
-    if criterion == "naive":
-        return bool((tokens == draft_token).any())
-    if majority_accepts(tokens, draft_token, majority):
+    if sampling.greedy or vote_threshold is not None:
+        votes = head_votes(head_logits, draft_token, sampling, vote_threshold)
+        tokens = head_logits.argmax(dim=-1) if sampling.greedy else None
+    else:
+        tokens = head_tokens(head_logits, sampling, uniforms)
+        votes = tokens == draft_token
+    if _votes_decide(criterion, votes, tokens, draft_token, majority):
         return True
     return criterion == "js+majority" and js_accepts(head_logits, draft_dist, sampling)
+
+
+# ---------------------------------------------------------------------------------------------
+# Certified decisions on logits with bounded errors
+
+
+def _g(t: torch.Tensor) -> torch.Tensor:
+    """(e^t - 1) e^t + t: per unit of mass, the JS change for a log-probability error t."""
+    return torch.expm1(t) * torch.exp(t) + t
+
+
+def log_normalizer_bound(inexact_mass: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """Bound zeta on |log Z' - log Z| for a softmax whose logits are exact except on a set of
+    computed mass s' (where |error| <= eps): the exact mass there is at most s_hi = e^eps s' / (1 - s' + e^eps s')."""
+    s_hi = torch.exp(eps) * inexact_mass / (1 - inexact_mass + torch.exp(eps) * inexact_mass)
+    up = torch.log1p(s_hi * torch.expm1(eps))
+    down = -torch.log1p(-(s_hi * -torch.expm1(-eps)).clamp(max=1 - 1e-7))
+    return torch.maximum(up, down)
+
+
+def js_error_bound(mass_inexact: torch.Tensor, zeta: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """Bound on |JS(a' || b') - JS(a || b)| when every log-probability of a and b is off by at most
+    zeta on the exact tokens and zeta + eps on the others; ``mass_inexact`` = a'(N) + b'(N).
+
+    From |a' - a| <= a (e^eta - 1), a |log(a/m)| <= a + b, and |log(a'/m') - log(a/m)| <= 2 eta:
+    |dJS| <= sum_v (a'_v + b'_v) [(e^eta_v - 1) e^eta_v + eta_v].
+    """
+    return (2 - mass_inexact) * _g(zeta) + mass_inexact * _g(zeta + eps)
+
+
+def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exact: torch.Tensor, draft_token: int,
+                     draft_dist: torch.Tensor, sampling: SamplingConfig, majority: str = "strict",
+                     vote_threshold: float | None = None) -> bool | None:
+    """The decision of :func:`decide` on the exact head logits, or ``None`` if the bounds cannot certify it.
+
+    Args:
+        heads: approximate head logits (K, V), exact on the tokens of ``exact`` (V,) bool.
+        eps: (K,) bounds on |approx - exact| on the other tokens (nats).
+    """
+    inexact = ~exact
+    if not sampling.greedy:
+        if sampling.top_p < 1:
+            return None  # top-p truncation is not continuous in the logits
+        heads, eps = heads / sampling.temperature, eps / sampling.temperature
+        sampling = SamplingConfig()  # the tempered softmax is the plain softmax of scaled logits
+    need_js = criterion in ("js", "js+majority")
+    probs = torch.softmax(heads, dim=-1) if (need_js or vote_threshold is not None) else None
+    if criterion != "js":
+        if vote_threshold is None:  # argmax votes: certified if the top is exact and out of reach
+            top_exact = heads.masked_fill(inexact, -math.inf).max(-1)
+            top_other = heads.masked_fill(exact, -math.inf).amax(-1)
+            if bool((top_exact.values <= top_other + eps).any()):
+                return None
+            tokens = top_exact.indices
+            votes = tokens == draft_token
+        else:
+            zeta = log_normalizer_bound((probs * inexact).sum(-1), eps)
+            eta = zeta + (eps if bool(inexact[draft_token]) else 0.0)
+            p_x = probs[:, draft_token]
+            yes, no = p_x * torch.exp(-eta) > vote_threshold, p_x * torch.exp(eta) <= vote_threshold
+            if not bool((yes | no).all()):
+                return None
+            votes, tokens = yes, None
+        if _votes_decide(criterion, votes, tokens, draft_token, majority):
+            return True
+        if criterion != "js+majority":
+            return False
+    eps_c = eps.mean()
+    centroid = torch.softmax(heads[0] + (heads - heads[0]).mean(dim=0), dim=-1)
+    draft_js, radii = js_divergence(draft_dist, centroid), js_divergence(probs, centroid)
+    c_inexact = (centroid * inexact).sum()
+    zeta_c = log_normalizer_bound(c_inexact, eps_c)
+    heads_inexact = (probs * inexact).sum(-1)
+    zeta_h = torch.maximum(log_normalizer_bound(heads_inexact, eps), zeta_c)
+    radius_err = js_error_bound(heads_inexact + c_inexact, zeta_h, torch.maximum(eps, eps_c))
+    draft_err = js_error_bound((draft_dist.float() * inexact).sum() + c_inexact, zeta_c, eps_c)
+    if draft_js + draft_err + JS_SLACK <= (radii - radius_err).max() - JS_SLACK:
+        return True
+    if draft_js - draft_err - JS_SLACK > (radii + radius_err).max() + JS_SLACK:
+        return False
+    return None
+
+
+@dataclass
+class DropMatchCounters:
+    """What the exactness machinery did (for profiles): evaluated positions, exact fallbacks, refined tokens."""
+
+    evaluations: int = 0
+    exact_fallbacks: int = 0
+    refined_tokens: int = 0
+    by_path: dict = field(default_factory=dict)
 
 
 class DropMatch:
     """The DropMatch criterion: K dropout heads computed only at the positions it is asked about.
 
-    All randomness of a step (the K x L x d masks, and under sampling the K x L head uniforms) is
-    drawn up front, so the decisions do not depend on which positions are evaluated: computing every
-    head at every position gives the same decisions (tested).
+    All randomness of a step (the K x L x d masks) is drawn up front (under sampling, seeded from a
+    hash of the step generator's state so that the standard rule's stream is the one standard
+    speculative sampling sees: same seed, same uniforms), so the decisions do not depend
+    on which positions are evaluated: computing every head at every position gives the same
+    decisions (tested).
 
-    Cost: a head GEMM is one pass over the whole LM-head weight (335 MB in bfloat16 on the embedded
-    pair), and extra rows in a pass cost far less than a second pass. So the dropout rows of the first
-    ``prefetch`` positions (default: all L) ride in the verification GEMM itself (:meth:`prefetch`),
-    while the criteria (argmaxes, JS) run only where the standard rule rejects, until DropMatch
-    rejects. Positions beyond ``prefetch`` that need heads compute them ``prefetch`` at a time.
-    Measured on the embedded pair, L = 5 (head + rule per verify step, standard: 40 ms):
-    prefetch 1: 76 ms, 2: 73 ms, 3: 71 ms, 5: 65 ms.
+    Cost: on the dense path a head GEMM is one pass over the whole LM-head weight (335 MB in bfloat16
+    on the embedded pair), and extra rows in a pass cost far less than a second pass; so the dropout
+    rows of the first ``prefetch`` positions (default: all L) ride in the verification GEMM itself
+    (:meth:`prefetch`). On the sparse path (small p_drop, see :class:`~dropmatch.heads.dropout.DropoutHead`)
+    nothing is prefetched: a position's K heads cost the gathered dropped columns only, computed one
+    position at a time where they are needed. The criteria (argmaxes, JS) run only where the standard
+    rule rejects, until DropMatch rejects.
+
+    Args:
+        head: the K dropout heads.
+        criterion, majority: see the module docstring.
+        prefetch: dense path: positions whose rows ride in the verification GEMM / are computed together.
+        screened_clean: whether greedy verification's clean logits may be screened (bfloat16 off the
+            top tokens); ``None``: yes for float32 heads without soft-capping (the screened head's case).
+            Their bound then enters the certified decisions.
+        refine_margin: nats beyond twice the error bound within which tokens are made exact for JS.
+        max_refined: above this many tokens to make exact, the heads are recomputed exactly.
     """
 
     def __init__(self, head: DropoutHead, criterion: str = "js+majority", majority: str = "strict",
-                 prefetch: int = 16):
+                 prefetch: int = 16, screened_clean: bool | None = None, refine_margin: float = 10.0,
+                 max_refined: int = 32768):
         check_criterion_args(criterion, majority)
         self.head, self.criterion, self.majority = head, criterion, majority
         self.prefetch_positions = max(1, prefetch)
         self.name = f"dropmatch-{criterion}"
+        if screened_clean is None:
+            screened_clean = head.weight.dtype == torch.float32 and not head.softcap
+        self.screened_clean = screened_clean
+        self.refine_margin, self.max_refined = refine_margin, max_refined
+        self.counters = DropMatchCounters()
 
-    def _draw(self, n_draft: int, sampling: SamplingConfig, generator: torch.Generator):
-        masks = self.head.draw_masks(n_draft, generator)
-        uniforms = None if sampling.greedy else torch.rand((n_draft, self.head.k), generator=generator)
-        return masks, uniforms
-
-    def draw(self, inp: VerifyInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Masks (L, K, d) and head uniforms (L, K) or ``None`` under greedy decoding."""
+    def draw(self, inp: VerifyInput) -> torch.Tensor:
+        """Masks (L, K, d) of the step (prefetched, or drawn now from the step generator)."""
         if inp.prefetch is not None:
             return inp.prefetch.state
-        return self._draw(inp.n_draft, inp.sampling, inp.generator)
+        return self.head.draw_masks(inp.n_draft, inp.generator, consume=inp.sampling.greedy)
 
     def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch:
-        """Draw the step's randomness now and ask for the first ``prefetch`` positions' perturbation
-        rows to ride in the verification GEMM (``hidden``: the L + 1 verified positions)."""
-        masks, uniforms = self._draw(hidden.shape[0] - 1, sampling, generator)
+        """Draw the step's masks now and, on the dense bfloat16 path, ask for the first ``prefetch``
+        positions' perturbation rows to ride in the verification GEMM (``hidden``: the L + 1 positions)."""
+        masks = self.head.draw_masks(hidden.shape[0] - 1, generator, consume=sampling.greedy)
         n = min(self.prefetch_positions, masks.shape[0])
-        fusable = n and not self.head.softcap and self.head.compute_dtype == torch.bfloat16  # the screened GEMM's dtype
+        fusable = (n and not self.head.sparse and not self.head.softcap
+                   and self.head.compute_dtype == torch.bfloat16)  # the screened GEMM's dtype
         rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if fusable else None
-        return Prefetch(rows, (masks, uniforms))
+        return Prefetch(rows, masks)
+
+    def _clean_bound(self, inp: VerifyInput, rows: slice) -> torch.Tensor | float:
+        """Bound (n,) on the error of the clean logits at ``rows`` (0 when they are exact)."""
+        if not (inp.sampling.greedy and self.screened_clean):
+            return 0.0
+        hidden = inp.hidden[rows].float()
+        return rounding_bound(torch.bfloat16, hidden.shape[-1], self.head.max_row_norm, hidden.norm(dim=-1),
+                              inp.target_logits[rows].abs().amax(-1))
+
+    def _vote_thresholds(self, inp: VerifyInput) -> list[float] | None:
+        """u_j q_j(x_j) per position under sampling, with the standard rule's uniforms (read from a
+        copy of the step generator: the standard rule draws them right after ``prepare``)."""
+        if inp.sampling.greedy:
+            return None
+        peek = torch.Generator()
+        peek.set_state(inp.generator.get_state())
+        uniforms = torch.rand(inp.n_draft + 1, generator=peek)
+        rows = torch.arange(inp.n_draft, device=inp.draft_tokens.device)
+        q = (inp.draft_probs[rows, inp.draft_tokens].float().cpu() if inp.draft_probs is not None
+             else torch.ones(inp.n_draft))
+        return (uniforms[: inp.n_draft] * q).tolist()
 
     def prepare(self, inp: VerifyInput) -> PositionTest:
-        masks, uniforms = self.draw(inp)
-        heads: dict[int, torch.Tensor] = {}
+        masks = self.draw(inp)
+        thresholds = self._vote_thresholds(inp)
+        heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         fused = inp.prefetch.products if inp.prefetch is not None else None
+
+        def compute(rows: slice, products: torch.Tensor | None) -> None:
+            logits = self.head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], products=products)
+            eps = self.head.error_bounds(inp.hidden[rows], masks[rows], inp.target_logits[rows], logits,
+                                         self._clean_bound(inp, rows), fused=products is not None)
+            heads.update({rows.start + i: (logits[i], eps[i]) for i in range(logits.shape[0])})
+
         if fused is not None:
-            n = fused.shape[0] // self.head.k
-            logits = self.head.logits(inp.hidden[:n], inp.target_logits[:n], masks[:n], products=fused)
-            heads.update(enumerate(logits))
+            compute(slice(0, fused.shape[0] // self.head.k), fused)
 
         def test(j: int) -> bool:
             if j not in heads:
-                # The GEMM reads the whole head weight; a few more rows cost almost nothing, so the
-                # next ``prefetch - 1`` positions are computed with this one (the next test is likely there).
-                rows = slice(j, min(j + self.prefetch_positions, inp.n_draft))
-                logits = self.head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows])
-                heads.update({j + i: row for i, row in enumerate(logits)})
-            return decide(self.criterion, heads[j], int(inp.draft_tokens[j]), inp.draft_distribution(j),
-                          inp.sampling, None if uniforms is None else uniforms[j], self.majority)
+                # Dense: the GEMM reads the whole head weight; a few more rows cost almost nothing, so
+                # the next ``prefetch - 1`` positions come with this one. Sparse: one position.
+                span = 1 if self.head.sparse else self.prefetch_positions
+                compute(slice(j, min(j + span, inp.n_draft)), None)
+            self.counters.evaluations += 1
+            logits, eps = heads[j]
+            x, q = int(inp.draft_tokens[j]), inp.draft_distribution(j)
+            threshold = None if thresholds is None else thresholds[j]
+            if float(eps.max()) > 0:
+                verdict = self._certified(j, logits, eps, x, q, inp, masks, threshold)
+                if verdict is not None:
+                    return verdict
+                self.counters.exact_fallbacks += 1
+                logits = self.head.exact_logits(inp.hidden[j : j + 1], masks[j : j + 1])[0]
+            return decide(self.criterion, logits, x, q, inp.sampling, None, self.majority, threshold)
 
         return test
+
+    def _certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, q: torch.Tensor,
+                   inp: VerifyInput, masks: torch.Tensor, threshold: float | None) -> bool | None:
+        """Make the tokens near each head's top exact, then :func:`certified_decide` (None: undecided)."""
+        needs_mass = self.criterion in ("js", "js+majority") or threshold is not None
+        margin = 2 * float(eps.max()) + (self.refine_margin if needs_mass else 0.5)
+        near = (logits >= logits.amax(-1, keepdim=True) - margin).any(0)
+        near[x] = True
+        tokens = near.nonzero().squeeze(-1)
+        if tokens.numel() > self.max_refined:
+            return None
+        self.counters.refined_tokens += int(tokens.numel())
+        logits = logits.clone()
+        logits[:, tokens] = self.head.exact_on(inp.hidden[j : j + 1], masks[j : j + 1], tokens)[0]
+        return certified_decide(self.criterion, logits, eps, near, x, q, inp.sampling, self.majority, threshold)

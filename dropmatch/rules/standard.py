@@ -72,7 +72,9 @@ class RelaxedVerification:
     Args:
         criterion: the lossy test.
         keep_standard_accepts: accept every position the standard rule accepts (default). With
-            ``False`` the criterion alone decides at every position (the paper-literal reading).
+            ``False`` the criterion alone decides at every position (the paper-literal reading);
+            under greedy decoding a draft token equal to the target argmax is still kept where the
+            criterion rejects it, since the correction would emit that very token.
     """
 
     def __init__(self, criterion: Criterion, keep_standard_accepts: bool = True):
@@ -97,5 +99,7 @@ class RelaxedVerification:
             if test(j):
                 extra += not standard_ok
                 continue
+            if standard_ok and inp.sampling.greedy:  # literal mode: the "correction" (the target argmax) is
+                continue  # the draft token itself, so emitting it is an acceptance and the step goes on
             return Verdict(j, std.correction(j), extra, evaluations)
         return Verdict(inp.n_draft, std.bonus, extra, evaluations)

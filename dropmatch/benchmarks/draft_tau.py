@@ -1,0 +1,65 @@
+"""Acceptance of the drafts on the embedded pair: tau at draft length L per task, EAGLE-3 head vs int8 draft.
+
+    python -m dropmatch.benchmarks.draft_tau [--prompts 8] [--max-new-tokens 64] [--draft-len 5]
+                                             [--tasks gsm8k humaneval mt_bench komt_bench] [--head DIR]
+
+Greedy chain SD (exact match, lossless); tau = new tokens per target forward (prefill included), summed
+over the prompts of a task; also the mean accepted draft tokens per verify step. Prompts: the first
+``--prompts`` examples of each task's benchmark prompts (GSM8K: the 4-shot prompts of ``make bench-engine``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..drafters import ModelDrafter
+from ..drafters.eagle3 import Eagle3Drafter, committed_head, load_head
+from ..engine import generate
+from ..models import load_pair
+from ..tasks import load_task
+from ..tasks.prompts import chat_prompt
+from .common import format_table, gsm8k_fewshot_prompts, machine_line
+
+
+def task_prompts(task: str, n: int) -> list[str]:
+    """Base-model prompts: GSM8K 4-shot, HumanEval as is, chat tasks' first turn (no chat template)."""
+    if task == "gsm8k":
+        return gsm8k_fewshot_prompts(n)
+    return [ex.prompt if ex.prompt is not None else chat_prompt(ex.turns[:1]) for ex in load_task(task, limit=n)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--draft-len", type=int, default=5)
+    parser.add_argument("--tasks", nargs="+", default=["gsm8k", "humaneval", "mt_bench", "komt_bench"])
+    parser.add_argument("--head", help="EAGLE-3 head directory (default: the committed one)")
+    args = parser.parse_args(argv)
+
+    pair = load_pair("gemma-3-270m")
+    head = load_head(args.head or committed_head(pair.name), pair.target)
+    drafters = {"EAGLE-3 head": lambda: Eagle3Drafter(head, pair.target), "int8 draft": lambda: ModelDrafter(pair.draft)}
+    rows = []
+    for task in args.tasks:
+        prompts = [pair.encode(p) for p in task_prompts(task, args.prompts)]
+        for name, factory in drafters.items():
+            tokens = calls = steps = accepted = 0
+            draft_s = verify_s = 0.0
+            for ids in prompts:
+                s = generate(pair.target, ids, drafter=factory(), draft_len=args.draft_len,
+                             max_new_tokens=args.max_new_tokens, eos_token_ids=pair.eos_token_ids).stats
+                tokens, calls = tokens + s.new_tokens, calls + s.target_calls
+                steps, accepted = steps + len(s.accepted_per_step), accepted + sum(s.accepted_per_step)
+                draft_s, verify_s = draft_s + s.draft_s, verify_s + s.verify_s
+            rows.append({"task": task, "draft": name, f"tau (L={args.draft_len})": tokens / calls,
+                         "accepted/step": accepted / max(steps, 1), "draft ms/step": 1e3 * draft_s / max(steps, 1),
+                         "verify ms/step": 1e3 * verify_s / max(steps, 1), "prompts": len(prompts)})
+            print(rows[-1], flush=True)
+    print(f"# draft acceptance: {args.prompts} prompts per task, {args.max_new_tokens} new tokens, greedy; "
+          f"{machine_line()}")
+    print(format_table(rows, list(rows[0])))
+
+
+if __name__ == "__main__":
+    main()

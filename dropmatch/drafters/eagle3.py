@@ -1,0 +1,533 @@
+"""An EAGLE-3 draft head (Li et al., 2025) and the drafter that runs it behind the engine's protocol.
+
+The head sees the target's own hidden states. At the root of a draft, ``fc`` (bias-free, 3 d_t -> d)
+fuses the inputs to three target layers (low, middle, high: by default 2, L // 2 and L - 3, i.e.
+``hidden_states[i]`` of a Hugging Face trunk run with ``output_hidden_states=True``). One decoder
+layer then takes, per row, the normed embedding of the token concatenated with the normed feature
+(so q/k/v see 2 d), a final norm and an LM head over a reduced draft vocabulary give the next token.
+Deeper draft steps feed the layer's own output state (d wide: ``fc`` is skipped) instead of target
+features. ``d2t`` (draft id -> target id offsets) and ``t2d`` (target-vocabulary mask) map the draft
+vocabulary into the target's.
+
+Row convention (inference and training alike): row p pairs the target feature of position p with the
+token at position p + 1, sits at rotary position p, and predicts the token at position p + 2.
+
+Checkpoints are laid out as the public EAGLE-3 heads (``config.json`` with ``draft_vocab_size``, weights
+``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``); the SpecForge /
+``speculators`` spellings (``layers.0.*``, a ``model.`` prefix, ``transformer_layer_config``) load too.
+A head trained here may leave ``lm_head.weight`` out (``"tie_lm_head_to_target": true``): its rows are
+then the target's output-embedding rows of the draft vocabulary, rebuilt at load time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError, ModelNotFoundError
+from ..models import CausalLM
+from ..sampling import SamplingConfig, sample_with_uniform
+from .base import Draft
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high layers: the inputs to layers 2, L // 2 and L - 3."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+@dataclass
+class Eagle3Config:
+    """Shape of an EAGLE-3 head. ``vocab_size`` is the target's; ``feature_layers`` index the
+    trunk's ``hidden_states`` (empty: EAGLE-3's default for the target's depth)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    draft_vocab_size: int
+    head_dim: int | None = None
+    target_hidden_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    feature_layers: tuple[int, ...] = ()
+    tie_lm_head_to_target: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.target_hidden_size = self.target_hidden_size or self.hidden_size
+        self.feature_layers = tuple(int(i) for i in self.feature_layers)
+        if self.feature_layers and len(self.feature_layers) != 3:
+            raise ConfigError(f"an EAGLE-3 head fuses 3 target layers, got {list(self.feature_layers)}")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Eagle3Config:
+        """From a public ``config.json`` (EAGLE-3, SpecForge or ``speculators`` spelling)."""
+        raw = {**raw.get("transformer_layer_config", {}), **raw}
+        rope = raw.get("rope_parameters") or {}
+        if isinstance(rope, dict) and "rope_theta" not in raw and "rope_theta" in rope:
+            raw["rope_theta"] = rope["rope_theta"]
+        eagle = raw.get("eagle_config") or {}
+        layers = (raw.get("feature_layers") or eagle.get("eagle_aux_hidden_state_layer_ids")
+                  or raw.get("eagle_aux_hidden_state_layer_ids") or ())
+        known = {f for f in cls.__dataclass_fields__ if f not in ("feature_layers", "extra")}
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+                   if k not in raw]
+        if missing:
+            raise ConfigError(f"EAGLE-3 config lacks {', '.join(missing)}")
+        kwargs = {k: raw[k] for k in known if raw.get(k) is not None}
+        kwargs.setdefault("num_key_value_heads", raw["num_attention_heads"])
+        kwargs.setdefault("draft_vocab_size", raw["vocab_size"])
+        return cls(**kwargs, feature_layers=tuple(layers))
+
+    def to_dict(self) -> dict:
+        """The public layout: ``architectures``, ``draft_vocab_size``, ``eagle_config``..."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("feature_layers", "extra")}
+        out["feature_layers"] = list(self.feature_layers)
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}
+        return {"architectures": [ARCHITECTURE], "model_type": "llama", **out, **self.extra}
+
+    def llama_config(self):
+        """A ``LlamaConfig`` of the same shape, for transformers' rotary embedding."""
+        from transformers import LlamaConfig
+
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           max_position_embeddings=self.max_position_embeddings, rope_parameters=rope)
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: x / rms(x) * weight, computed in float32."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(self.weight.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (B, H, T, hd) with cos/sin (B, T, hd)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+# An attention strategy: (q (B, H, T, hd), k, v (B, Hkv, T, hd)) -> context (B, H, T, hd).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c, hd = config, config.head_dim
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * hd, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """x (B, T, 2d) -> (B, T, d); ``attend`` decides which keys each query sees."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        ctx = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
+        return self.o_proj(ctx.transpose(1, 2).reshape(b, t, -1))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """EAGLE-3's ``midlayer``: attention over [normed embedding, normed feature] (2d), then an MLP."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = Eagle3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_before_residual = config.norm_before_residual
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend) -> torch.Tensor:
+        """embeds, hidden (B, T, d) -> output state (B, T, d) (before the final norm)."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = residual + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """``fc`` + ``midlayer`` + ``norm`` + ``lm_head`` over the draft vocabulary, with ``d2t``/``t2d``.
+
+    The token embedding is not part of the head: callers pass the (frozen) target's embeddings.
+    """
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.config = config
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.rotary = LlamaRotaryEmbedding(config=config.llama_config())
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """Target id of every draft id, (N,) int64."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def set_vocabulary(self, target_ids: torch.Tensor) -> None:
+        """Draft vocabulary = ``target_ids`` (N,), sorted ascending (as EAGLE-3's ``scandata``)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long).sort().values.to(self.d2t.device)
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ConfigError(f"need {self.config.draft_vocab_size} draft ids, got {ids.numel()}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, T, hd) for integer positions (B, T)."""
+        return self.rotary(like, positions)
+
+    def state(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              attend: Attend) -> torch.Tensor:
+        """Output states (B, T, d) from token embeddings (B, T, d) and features (B, T, 3 d_t) at the
+        root or the head's own states (B, T, d) deeper; ``positions`` (B, T) are rotary positions."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        embeds = embeds.to(hidden.dtype)
+        cos, sin = self.rope(positions, hidden)
+        return self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), attend)
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (..., N) float32 from output states (..., d)."""
+        return self.lm_head(self.norm(state)).float()
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _normalize_name(name: str) -> str | None:
+    """Public / SpecForge / speculators weight names -> this module's; ``None``: not ours."""
+    for prefix in ("model.", "eagle."):
+        if name.startswith(prefix) and not name.startswith("model.safetensors"):
+            name = name[len(prefix):]
+    name = name.replace("layers.0.", "midlayer.")
+    if name.startswith(("embed_tokens.", "rotary")) or "rotary_emb" in name:
+        return None
+    return name
+
+
+def save_head(head: Eagle3Head, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+              manifest: dict | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (+ ``manifest.json``) in the public layout.
+    A head with ``tie_lm_head_to_target`` leaves ``lm_head.weight`` out."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, value in head.state_dict().items():
+        if name.startswith("rotary") or (name == "lm_head.weight" and head.config.tie_lm_head_to_target):
+            continue
+        state[name] = value.detach().to(dtype if value.is_floating_point() else value.dtype).contiguous()
+    save_file(state, out / WEIGHTS_NAME, metadata={"format": "pt"})
+    config = head.config.to_dict()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if manifest is not None:
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return out
+
+
+class _HubSnapshot:
+    """``from_pretrained``-shaped access to a hub repository's files (for ``models._from_pretrained``)."""
+
+    @staticmethod
+    def from_pretrained(name: str, local_files_only: bool = False) -> Path:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=local_files_only,
+                                      allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+
+
+def resolve_head_dir(source: str | Path) -> Path:
+    """A local directory as is; a hub id through the project's clear-error loader."""
+    from ..models import _from_pretrained
+
+    local = Path(source).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise ModelNotFoundError(f"cannot load the EAGLE-3 head {str(source)!r}: {local} has no config.json")
+        return local
+    return _from_pretrained(_HubSnapshot, str(source))
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        return {k: v for f in files for k, v in load_file(f).items()}
+    bins = sorted(directory.glob("*.bin"))
+    if not bins:
+        raise ModelNotFoundError(f"no *.safetensors or *.bin weights in {directory}")
+    return {k: v for f in bins for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+
+
+def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> Eagle3Head:
+    """An EAGLE-3 head from a local directory or hub id (public, SpecForge, ``speculators`` or ours).
+
+    ``target`` supplies the tied LM-head rows of heads saved without ``lm_head.weight`` and checks
+    that the head fits it (vocabulary and hidden size). ``dtype`` defaults to the target's.
+    """
+    directory = resolve_head_dir(source)
+    config = Eagle3Config.from_dict(json.loads((directory / "config.json").read_text()))
+    weights = {}
+    for name, value in _read_weights(directory).items():
+        key = _normalize_name(name)
+        if key is not None:
+            weights[key] = value
+    if "d2t" not in weights and config.draft_vocab_size != config.vocab_size:
+        raise ConfigError(f"{source}: draft vocabulary {config.draft_vocab_size} != {config.vocab_size} but no d2t")
+    head = Eagle3Head(config)
+    if target is not None:
+        d_t = int(target.head_weight.shape[1])
+        if d_t != config.target_hidden_size:
+            raise ConfigError(f"EAGLE-3 head {source} expects target hidden size {config.target_hidden_size}, "
+                              f"the target has {d_t}")
+    if "lm_head.weight" not in weights:
+        if target is None or not config.tie_lm_head_to_target:
+            raise ConfigError(f"{source}: no lm_head.weight (and no target to tie it to)")
+        ids = (torch.arange(config.draft_vocab_size) + weights["d2t"].long()).to(target.head_weight.device)
+        weights["lm_head.weight"] = target.head_weight[ids].detach().float().cpu()
+    if "t2d" in weights:
+        weights["t2d"] = weights["t2d"].bool()
+    if "d2t" in weights:
+        weights["d2t"] = weights["d2t"].long()
+    missing, unexpected = head.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary")]
+    if missing or unexpected:
+        raise ConfigError(f"EAGLE-3 head {source}: missing weights {missing}, unexpected {unexpected}")
+    if dtype is None:
+        dtype = target.head_weight.dtype if target is not None else torch.float32
+    device = torch.device(device) if device is not None else (target.device if target is not None else None)
+    head = head.to(dtype=dtype)
+    if device is not None:
+        head = head.to(device)
+    return head.eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------
+# Inference: a KV cache and the drafter
+
+
+class Eagle3Cache:
+    """The head's own KV cache: keys/values (1, Hkv, C, hd) and a length to crop back to."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else int(self.k.shape[2])
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append k, v; new row i sees every cached row and new rows <= i."""
+        past = len(self)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        t = q.shape[2]
+        mask = None
+        if t > 1:
+            total = past + t
+            mask = torch.ones(t, total, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask,
+                                              enable_gqa=self.k.shape[1] != q.shape[1])
+
+
+class Eagle3Drafter:
+    """Chain drafting with an EAGLE-3 head over the target's features (batch size 1).
+
+    Invariant between steps: the head's cache holds one row per context position whose feature and
+    following token are both known; ``_feats`` are the target features of the newest positions, still
+    waiting for their following tokens (``_tokens`` plus the next ``last_token``). The deeper rows a
+    proposal adds (fed with the head's own states) are cropped away at ``commit``.
+
+    Distributions are mapped into the target vocabulary: under greedy decoding ``Draft.logits`` are
+    the draft logits at the draft ids' target positions and -inf elsewhere (so rules that take a
+    softmax, e.g. DropMatch's JS, see the draft distribution with zero mass outside the draft
+    vocabulary); under sampling ``Draft.probs`` are the tempered / top-p probabilities, zero outside.
+    """
+
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, target: CausalLM):
+        self.head, self.target = head, target
+        num_layers = int(getattr(target.model.config, "num_hidden_layers", 0)) or len(target.trunk.layers)
+        self.feature_layers: tuple[int, ...] = head.config.feature_layers or default_feature_layers(num_layers)
+        if max(self.feature_layers) > num_layers:
+            raise ConfigError(f"EAGLE-3 head wants target layer {max(self.feature_layers)}; the target has {num_layers}")
+        self.embed = target.model.get_input_embeddings()
+        self.vocab = target.vocab_size
+        ids = head.draft_to_target
+        self._keep = ids < self.vocab  # draft ids past a padded target vocabulary never get drafted
+        self._ids = ids[self._keep]
+        self.cache = Eagle3Cache()
+        self._feats: torch.Tensor | None = None
+        self._tokens: list[int] = []
+        self._proposed: list[int] = []
+        self._rows = 0
+
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        """``features`` (n, 3 d_t): the target's chosen-layer states at the prompt positions."""
+        if features is None:
+            raise ConfigError("the EAGLE-3 drafter needs the target's features (use dropmatch.engine.generate)")
+        self.cache = Eagle3Cache()
+        self._feats, self._tokens = features, prompt_ids.view(-1)[1:].tolist()
+        self._proposed, self._rows = [], 0
+
+    def _forward(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed rows at positions start.. into the cache; return the last row's state (1, 1, d)."""
+        device = self.head.d2t.device
+        ids = torch.tensor(tokens, dtype=torch.long, device=device).view(1, -1)
+        positions = torch.arange(start, start + ids.shape[1], device=device).view(1, -1)
+        state = self.head.state(self.embed(ids), hidden.view(1, ids.shape[1], -1), positions, self.cache.attend)
+        return state[:, -1:]
+
+    def _draft_row(self, state: torch.Tensor, depth: int) -> torch.Tensor:
+        """Draft logits mapped into the target vocabulary (V,), -inf outside the draft vocabulary, from
+        the output state (1, 1, d) of draft step ``depth`` (0 = the root)."""
+        draft_logits = self.head.logits(state[0, 0])
+        row = torch.full((self.vocab,), float("-inf"), device=draft_logits.device)
+        row[self._ids] = draft_logits[self._keep]
+        return row
+
+    def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
+        tokens = self._tokens + [last_token]
+        assert self._feats is not None and self._feats.shape[0] == len(tokens), "start/commit out of step"
+        state = self._forward(tokens, self._feats, self._rows)
+        self._rows += len(tokens)
+        self._feats, self._tokens = None, []
+        proposed: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(max(n, 0)):
+            if i:
+                state = self._forward([proposed[-1]], state, self._rows + i - 1)
+            row = self._draft_row(state, i)
+            if sampling.greedy:
+                token = int(row.argmax())
+            else:
+                row = sampling.probs(row)
+                token = int(sample_with_uniform(row, torch.rand((), generator=generator)))
+            proposed.append(token)
+            rows.append(row)
+        self._proposed = proposed
+        device = self.target.device
+        if not proposed:
+            return Draft(torch.empty(0, dtype=torch.long, device=device))
+        ids = torch.tensor(proposed, dtype=torch.long, device=device)
+        stacked = torch.stack(rows).to(device)
+        return Draft(ids, logits=stacked) if sampling.greedy else Draft(ids, probs=stacked)
+
+    def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
+        """``features`` (n_accepted + 1, 3 d_t): target states at the verified newest token and the
+        accepted draft tokens, in order."""
+        if features is None:
+            raise ConfigError("the EAGLE-3 drafter needs the target's features at commit")
+        self.cache.crop(self._rows)
+        self._feats, self._tokens = features, self._proposed[:n_accepted]
+        self._proposed = []
+
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def committed_head(pair_name: str) -> Path | None:
+    """The head shipped for a named pair (``dropmatch/assets/eagle3-<pair>``), if there is one."""
+    path = ASSETS / f"eagle3-{pair_name}"
+    return path if (path / "config.json").exists() else None
+
+
+def eagle3_drafter(source: str | Path, target: CausalLM, dtype: torch.dtype | None = None) -> Eagle3Drafter:
+    """Load a head (directory or hub id) and wrap it for ``target``."""
+    return Eagle3Drafter(load_head(source, target, dtype=dtype), target)
+
+
+def init_head(config: Eagle3Config, target: CausalLM, vocabulary: Sequence[int] | torch.Tensor,
+              seed: int = 0) -> Eagle3Head:
+    """A fresh head for training: random ``midlayer`` (with zero output projections), ``fc`` passing the
+    high feature through, ``norm`` = the target's final norm and the LM head = the target's rows of
+    ``vocabulary`` (frozen). At initialisation the head is therefore the "logit lens" of the high layer."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(config)
+    head.set_vocabulary(torch.as_tensor(list(vocabulary) if not torch.is_tensor(vocabulary) else vocabulary))
+    d, d_t = config.hidden_size, config.target_hidden_size
+    with torch.no_grad():
+        for lin in (head.midlayer.self_attn.q_proj, head.midlayer.self_attn.k_proj,
+                    head.midlayer.self_attn.v_proj, head.midlayer.mlp.gate_proj, head.midlayer.mlp.up_proj):
+            nn.init.normal_(lin.weight, std=1 / math.sqrt(lin.in_features))
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+        head.fc.weight.zero_()
+        if d == d_t:
+            head.fc.weight[:, 2 * d_t:] = torch.eye(d)
+        else:
+            nn.init.normal_(head.fc.weight, std=1 / math.sqrt(3 * d_t))
+        final_norm = getattr(target.trunk, "norm", None)
+        if final_norm is not None and d == d_t:
+            ones = torch.ones(1, d_t, dtype=target.head_weight.dtype, device=target.device)
+            head.norm.weight.copy_(final_norm(ones)[0].float().cpu())
+        head.lm_head.weight.copy_(target.head_weight[head.draft_to_target.to(target.device)].float().cpu())
+    head.lm_head.weight.requires_grad_(False)
+    return head

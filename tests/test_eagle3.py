@@ -1,0 +1,282 @@
+"""EAGLE-3 head: shapes, training-time test == chain drafting, training, checkpoints, lossless decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dropmatch.draft_training import TTTAttention, ttt_loss
+from dropmatch.drafters.eagle3 import (
+    ARCHITECTURE,
+    Eagle3Cache,
+    Eagle3Config,
+    Eagle3Drafter,
+    Eagle3Head,
+    committed_head,
+    init_head,
+    load_head,
+    save_head,
+)
+from dropmatch.engine import generate
+from dropmatch.errors import ConfigError, ModelNotFoundError
+from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.sampling import SamplingConfig
+
+from .conftest import make_tiny
+from .test_sampling import P_MIN, _exact_joint
+
+
+def tiny_head_config(target, draft_vocab: int, **kw) -> Eagle3Config:
+    d = int(target.head_weight.shape[1])
+    return Eagle3Config(hidden_size=d, intermediate_size=2 * d, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab,
+                        feature_layers=(1, 1, 2), **kw)
+
+
+def random_head(target, draft_vocab: int | None = None, seed: int = 0, scale: float = 1.0) -> Eagle3Head:
+    """A random-init head (all weights random, ``vocabulary`` = a seeded subset of the target's)."""
+    n = draft_vocab or target.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    vocab = torch.randperm(target.vocab_size, generator=g)[:n]
+    head = init_head(tiny_head_config(target, n), target, vocab, seed=seed)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if name.endswith("weight") and param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=g) * scale / param.shape[1] ** 0.5)
+    return head.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_tiny("llama", seed=3, vocab_size=64, layers=3)
+
+
+def test_head_shapes_and_fc_only_on_wide_inputs(pair):
+    head = random_head(pair.target, 40)
+    d = head.config.hidden_size
+    embeds = torch.randn(2, 5, d)
+    pos = torch.arange(5).expand(2, 5)
+    root = head.state(embeds, torch.randn(2, 5, 3 * d), pos, TTTAttention())
+    assert root.shape == (2, 5, d)
+    assert head.logits(root).shape == (2, 5, 40)
+    calls = []
+    handle = head.fc.register_forward_hook(lambda *a: calls.append(1))
+    deeper = head.state(embeds[:1, :1], root[:1, -1:], pos[:1, :1], Eagle3Cache().attend)
+    handle.remove()
+    assert deeper.shape == (1, 1, d) and not calls
+    ids = head.draft_to_target
+    assert torch.equal(head.t2d.nonzero().view(-1), ids) and ids.unique().numel() == 40
+
+
+def test_training_time_test_matches_chain_drafting(pair):
+    """Step j of the TTT unroll at row p == the chain drafter's depth-j state after feeding rows 0..p."""
+    head = random_head(pair.target, seed=1)
+    embed = pair.target.model.get_input_embeddings()
+    d, t, steps = head.config.hidden_size, 7, 3
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, t, 3 * d, generator=g)
+    tokens = torch.randint(3, 64, (1, t + steps), generator=g)
+    attend = TTTAttention()
+    hidden, ttt_states = feats, []
+    for j in range(steps):
+        hidden = head.state(embed(tokens[:, 1 + j : 1 + j + t]), hidden, torch.arange(t).view(1, -1) + j, attend)
+        ttt_states.append(hidden)
+    for p in (0, 3, t - 1):
+        cache = Eagle3Cache()
+        state = head.state(embed(tokens[:, 1 : p + 2]), feats[:, : p + 1], torch.arange(p + 1).view(1, -1),
+                           cache.attend)[:, -1:]
+        torch.testing.assert_close(state, ttt_states[0][:, p : p + 1], atol=1e-5, rtol=1e-4)
+        for j in range(1, steps):
+            state = head.state(embed(tokens[:, p + 1 + j : p + 2 + j]), state, torch.tensor([[p + j]]), cache.attend)
+            torch.testing.assert_close(state, ttt_states[j][:, p : p + 1], atol=1e-5, rtol=1e-4)
+
+
+def test_training_steps_reduce_the_loss(pair):
+    target = pair.target
+    vocab = torch.arange(3, 43)
+    head = init_head(tiny_head_config(target, 40), target, vocab, seed=0)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, 12, 3 * head.config.hidden_size, generator=g)
+    tokens = torch.randint(3, 64, (2, 12), generator=g)
+    logits = torch.randn(2, 12, 40, generator=g) * 3
+    values, ids = logits.topk(8, dim=-1)
+    embed = target.model.get_input_embeddings()
+    params = [p for p in head.parameters() if p.requires_grad]
+    assert all(p is not head.lm_head.weight for p in params)  # tied to the target's rows, frozen
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss, accs, counts = ttt_loss(head, embed, feats, tokens, ids, values.half(), steps=3)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert len(accs) == 3 and counts == [2 * 11, 2 * 10, 2 * 9]
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def _public_checkpoint(path, head: Eagle3Head, prefix: str = "", layer: str = "midlayer.") -> None:
+    """A checkpoint written as the public heads are (no dropmatch code): config.json + safetensors."""
+    from safetensors.torch import save_file
+
+    c = head.config
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "max_position_embeddings": 2048, "hidden_act": "silu", "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers)}}))
+    state = {}
+    for name, value in head.state_dict().items():
+        if name.startswith("rotary"):
+            continue
+        name = name.replace("midlayer.", layer)
+        state[prefix + name if name not in ("d2t", "t2d") else name] = value.contiguous()
+    state[prefix + "embed_tokens.weight"] = torch.zeros(c.vocab_size, c.hidden_size)  # ignored: the target's
+    save_file(state, path / "model.safetensors")
+
+
+@pytest.mark.parametrize("prefix,layer", [("", "midlayer."), ("model.", "layers.0.")])
+def test_public_layout_checkpoint_loads(pair, tmp_path, prefix, layer):
+    head = random_head(pair.target, 48, seed=2)
+    _public_checkpoint(tmp_path, head, prefix, layer)
+    loaded = load_head(tmp_path, pair.target)
+    assert loaded.config.draft_vocab_size == 48 and loaded.config.feature_layers == (1, 1, 2)
+    assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+    for name, value in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value)
+
+
+def test_tied_round_trip_stores_no_lm_head(pair, tmp_path):
+    target = pair.target
+    head = init_head(tiny_head_config(target, 32, tie_lm_head_to_target=True), target, torch.arange(10, 42))
+    save_head(head, tmp_path, dtype=torch.float32, manifest={"steps": 0})
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] and config["draft_vocab_size"] == 32
+    loaded = load_head(tmp_path, target)
+    torch.testing.assert_close(loaded.lm_head.weight, target.head_weight[10:42])
+    with pytest.raises(ConfigError, match="lm_head"):
+        load_head(tmp_path)  # no target to tie the LM head to
+
+
+def test_unknown_hub_head_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match="not a local directory"):
+        load_head("no-such-org/no-such-eagle3-head")
+
+
+class OracleDrafter(Eagle3Drafter):
+    """Runs the head (cache, rollback) but proposes the known greedy continuation on a fixed pattern of
+    depths, so that drafts are partly accepted and every commit path is exercised."""
+
+    def __init__(self, head, target, prompt_len, greedy):
+        super().__init__(head, target)
+        self.prompt_len, self.greedy = prompt_len, greedy
+
+    def _draft_row(self, state, depth):
+        row = super()._draft_row(state, depth)
+        index = self._rows + 1 + depth - self.prompt_len  # output index of the token being drafted
+        if (self._rows + depth) % 4 != 3 and index < len(self.greedy):
+            row = row.clone()
+            row[self.greedy[index]] = row.max() + 1
+        return row
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_sd_with_eagle3_equals_ar(arch):
+    pair = make_tiny(arch, seed=4, vocab_size=64)
+    target = pair.target
+    head = random_head(target, 40, seed=3)
+    prompt = torch.randint(3, 64, (11,), generator=torch.Generator().manual_seed(2))
+    ar = generate(target, prompt, max_new_tokens=30).token_ids
+    for draft_len in (1, 3, 5):
+        drafter = OracleDrafter(head, target, prompt.numel(), ar)
+        out = generate(target, prompt, drafter=drafter, draft_len=draft_len, max_new_tokens=30)
+        assert out.token_ids == ar
+        assert sum(out.stats.accepted_per_step) > 0 and out.stats.target_calls < 30
+        # the head's cache holds exactly one row per context position, fed with the target's features
+        seq = torch.cat([prompt, torch.tensor(ar[:-1])])
+        n_rows = len(drafter.cache)
+        _, _, feats = target.new_cache_with_features(seq[:n_rows], drafter.feature_layers)
+        fresh = Eagle3Cache()
+        head.state(target.model.get_input_embeddings()(seq[1 : n_rows + 1].view(1, -1)), feats[None],
+                   torch.arange(n_rows).view(1, -1), fresh.attend)
+        torch.testing.assert_close(drafter.cache.k, fresh.k, atol=1e-4, rtol=1e-3)
+    plain = generate(target, prompt, drafter=Eagle3Drafter(head, target), draft_len=4, max_new_tokens=30)
+    assert plain.token_ids == ar
+
+
+def _exact_t4_marginal(target, prompt, vocab, sampling):
+    """P(t4) of plain sampling, enumerating t1..t3."""
+    with torch.no_grad():
+        grid = torch.cartesian_prod(*[torch.arange(vocab)] * 3)
+        seqs = torch.cat([prompt.expand(grid.shape[0], -1), grid], dim=1)
+        probs = sampling.probs(target.model(seqs).logits[:, -4:])  # (N, 4, V)
+        weight = probs[0, 0, grid[:, 0]] * probs[torch.arange(len(grid)), 1, grid[:, 1]] \
+            * probs[torch.arange(len(grid)), 2, grid[:, 2]]
+        return (weight[:, None] * probs[:, 3]).sum(0)
+
+
+def test_speculative_sampling_with_eagle3_preserves_target_distribution():
+    """Tokens 2-3 (joint) and 4 of SD runs at L = 3 (draft vocabulary 6 of 10) match plain sampling."""
+    vocab = 10
+    pair = make_tiny("llama", seed=5, vocab_size=vocab)
+    target = pair.target
+    head = random_head(target, 6, seed=7, scale=3.0)
+    sampling = SamplingConfig(1.0)
+    prompt = torch.tensor([2, 3, 4, 3, 5, 3])
+    joint = _exact_joint(target, prompt, vocab, sampling).flatten()
+    t4 = _exact_t4_marginal(target, prompt, vocab, sampling)
+    counts, counts4 = torch.zeros(vocab * vocab), torch.zeros(vocab)
+    drafted = 0
+    for seed in range(3000):
+        out = generate(target, prompt, drafter=Eagle3Drafter(head, target), draft_len=3, max_new_tokens=5,
+                       sampling=sampling, seed=seed)
+        counts[out.token_ids[1] * vocab + out.token_ids[2]] += 1
+        counts4[out.token_ids[3]] += 1
+        drafted += max(out.stats.drafted_per_step, default=0) == 3
+    assert drafted > 0
+    for observed, expected in ((counts, joint), (counts4, t4)):
+        keep = expected * observed.sum() >= 5
+        assert observed[expected == 0].sum() == 0  # no token of zero probability is ever emitted
+        pooled = ~keep & (expected > 0)  # rare cells pooled into one (none: no pooled cell)
+        obs = torch.cat([observed[keep], observed[pooled].sum().view(1)] if pooled.any() else [observed[keep]])
+        wanted = torch.cat([expected[keep], expected[pooled].sum().view(1)] if pooled.any() else [expected[keep]])
+        assert chisquare(obs, wanted * observed.sum() / wanted.sum()).pvalue > P_MIN
+
+
+def test_methods_with_eagle3(pair, tmp_path):
+    head = random_head(pair.target, 40, seed=3)
+    save_head(head, tmp_path, dtype=torch.float32)
+    assert MethodConfig("sd", draft="eagle3").label == "sd+eagle3@L5"
+    prompt = list(range(3, 20))
+    ar = Decoder(pair, MethodConfig("ar")).generate(prompt, max_new_tokens=16).token_ids
+    for config in (MethodConfig("sd", draft="eagle3", draft_head=str(tmp_path)),
+                   MethodConfig("dropmatch", draft="eagle3", criterion="naive", draft_head=str(tmp_path)),
+                   MethodConfig("dropmatch", draft="eagle3", criterion="js+majority", draft_head=str(tmp_path))):
+        assert "+eagle3" in config.label
+        out = Decoder(pair, config).generate(prompt, max_new_tokens=16)
+        assert len(out.token_ids) == 16
+        if config.method == "sd":
+            assert out.token_ids == ar
+    with pytest.raises(ConfigError, match="EAGLE-3 head"):
+        Decoder(pair, MethodConfig("sd", draft="eagle3"))  # no committed head for a tiny pair
+
+
+@pytest.mark.gemma
+def test_committed_head_is_lossless_on_gemma(gemma):
+    source = committed_head("gemma-3-270m")
+    assert source is not None, "the committed head dropmatch/assets/eagle3-gemma-3-270m is missing"
+    prompt = gemma.encode("Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:")
+    ar = Decoder(gemma, MethodConfig("ar")).generate(prompt, max_new_tokens=32).token_ids
+    out = Decoder(gemma, MethodConfig("sd", draft="eagle3", draft_len=5)).generate(prompt, max_new_tokens=32)
+    assert out.token_ids == ar
+    assert out.stats.tau > 1.1  # the committed head (27 steps) reached 1.33 here

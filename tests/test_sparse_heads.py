@@ -1,0 +1,182 @@
+"""Dropout heads against an independent dense computation: sparse and dense paths, exactness on
+screened (inexact) clean logits, and sampling votes that reduce to speculative sampling at p_drop = 0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dropmatch.heads.dropout import DropoutHead
+from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.rules import RelaxedVerification, VerifyInput
+from dropmatch.rules.dropmatch import CRITERIA, DropMatch
+from dropmatch.sampling import SamplingConfig
+
+from .conftest import random_prompt
+
+GREEDY = SamplingConfig()
+SAMPLED = SamplingConfig(0.8, 1.0)
+
+
+def _js64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m = 0.5 * (a + b)
+    kl = lambda p: torch.where(p > 0, p * (p.log() - m.log()), torch.zeros_like(p)).sum(-1)  # noqa: E731
+    return 0.5 * (kl(a) + kl(b))
+
+
+def dense_reference(criterion: str, weight: torch.Tensor, inp: VerifyInput, masks: torch.Tensor, p: float,
+                    seed: int) -> tuple[int, int]:
+    """(accepted, extra accepts) from heads F.linear(h * m / (1 - p), W) in float64, written apart
+    from the package: greedy exact match / speculative sampling, then the criterion where it rejects."""
+    w = weight.double()
+    n = inp.n_draft
+    exact_clean = F.linear(inp.hidden.double(), w)
+    gen = torch.Generator().manual_seed(seed)
+    sampling = inp.sampling
+    if sampling.greedy:
+        torch.randint(0, 2**63 - 1, (1,), generator=gen)  # the mask generator's seed draw
+    if sampling.greedy:
+        standard = (inp.draft_tokens == exact_clean[:n].argmax(-1)).tolist()
+        temp = 1.0
+    else:
+        u = torch.rand(n + 1, generator=gen)
+        temp = sampling.temperature
+        pt = torch.softmax(exact_clean / temp, -1)
+        q_x = [float(inp.draft_probs[j, inp.draft_tokens[j]]) for j in range(n)]
+        standard = [bool(u[j] * q_x[j] < pt[j, inp.draft_tokens[j]]) for j in range(n)]
+    decisions = []
+    for j in range(n):
+        x = int(inp.draft_tokens[j])
+        heads = F.linear(inp.hidden[j].double() * masks[j].double() / (1 - p), w)  # (K, V)
+        probs = torch.softmax(heads / temp, -1)
+        votes = heads.argmax(-1) == x if sampling.greedy else probs[:, x] > float(u[j]) * q_x[j]
+        k = heads.shape[0]
+        naive, majority = bool(votes.any()), 2 * int(votes.sum()) > k
+        centroid = torch.softmax(heads.mean(0) / temp, -1)
+        q = inp.draft_distribution(j).double()
+        js = bool(_js64(q, centroid) <= _js64(probs, centroid).max())
+        decisions.append({"naive": naive, "majority": majority, "js": js, "js+majority": js or majority}[criterion])
+    for j in range(n):
+        if not (standard[j] or decisions[j]):
+            return j, sum(1 for i in range(j) if not standard[i])
+    return n, sum(1 for s in standard if not s)
+
+
+def random_case(seed: int, sampling: SamplingConfig, vocab: int = 60, d: int = 24, n_draft: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, d, generator=g) * 0.5
+    hidden = torch.randn(n_draft + 1, d, generator=g)
+    logits = F.linear(hidden, weight)
+    draft = logits[:n_draft].argmax(-1)
+    flip = torch.rand(n_draft, generator=g) < 0.6  # most positions are near-misses
+    draft = torch.where(flip, logits[:n_draft].topk(3, -1).indices[:, 1 + seed % 2], draft)
+    q = sampling.probs(0.5 * torch.randn(n_draft, vocab, generator=g) + logits[:n_draft])
+    if not sampling.greedy:
+        return weight, VerifyInput(draft, q, logits, hidden, sampling, g)
+    return weight, VerifyInput(draft, None, logits, hidden, sampling, g, draft_logits=q.log())
+
+
+def _with(inp: VerifyInput, seed: int, logits: torch.Tensor | None = None) -> VerifyInput:
+    return VerifyInput(inp.draft_tokens, inp.draft_probs, inp.target_logits if logits is None else logits, inp.hidden,
+                       inp.sampling, torch.Generator().manual_seed(seed), inp.draft_logits)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("p_drop", [0.0, 0.03, 0.3])
+@pytest.mark.parametrize("criterion", CRITERIA)
+def test_sparse_and_dense_paths_equal_dense_float64(criterion, p_drop, sampling):
+    """Both paths (float32 products) take the decisions of an independent float64 dense computation,
+    evaluating the criterion only where needed; and they accept beyond the standard rule at p > 0."""
+    extra = evaluated = 0
+    for seed in range(40):
+        weight, inp = random_case(seed, sampling)
+        masks = DropoutHead(weight, k=5, p_drop=p_drop).draw_masks(inp.n_draft, torch.Generator().manual_seed(seed),
+                                                                  consume=sampling.greedy)
+        expected = dense_reference(criterion, weight, inp, masks, p_drop, seed)
+        for sparse in (True, False):
+            head = DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.float32, sparse=sparse)
+            verdict = RelaxedVerification(DropMatch(head, criterion)).verify(_with(inp, seed))
+            assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, sparse)
+            extra += verdict.extra_accepts
+            evaluated += verdict.criterion_evaluations
+    assert evaluated < 40 * 2 * 5  # lazily: not every position
+    if p_drop == 0.0:
+        assert extra == 0  # p_drop = 0 is standard verification, greedy and sampled
+    elif p_drop == 0.3:
+        assert extra > 0
+
+
+@pytest.mark.parametrize("criterion", CRITERIA)
+@pytest.mark.parametrize("p_drop", [0.0, 0.03, 0.3])
+def test_screened_inexact_clean_logits_give_exact_decisions(criterion, p_drop):
+    """Greedy clean logits off by up to the screened bound (bf16 GEMM, exact only near the top) and
+    bf16 products still give the exact decisions: certified, or recomputed exactly."""
+    from dropmatch.heads.screened import ScreenedHead
+
+    fallbacks = 0
+    for seed in range(40):
+        weight, inp = random_case(seed, GREEDY, vocab=400, d=32)
+        screened = ScreenedHead(weight, refine_margin=0.5)(inp.hidden)
+        assert not torch.equal(screened, inp.target_logits)  # really inexact
+        masks = DropoutHead(weight, k=5, p_drop=p_drop).draw_masks(inp.n_draft, torch.Generator().manual_seed(seed))
+        expected = dense_reference(criterion, weight, inp, masks, p_drop, seed)
+        for sparse in (True, False):
+            dm = DropMatch(DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.bfloat16, sparse=sparse),
+                           criterion, screened_clean=True)
+            verdict = RelaxedVerification(dm).verify(_with(inp, seed, screened))
+            assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, sparse)
+            fallbacks += dm.counters.exact_fallbacks
+            assert dm.counters.refined_tokens > 0 or verdict.criterion_evaluations == 0
+    assert fallbacks < 40 * 2 * 5  # the bounds certify most decisions
+
+
+def test_sparse_logits_match_dense_definition():
+    g = torch.Generator().manual_seed(3)
+    weight, hidden = torch.randn(500, 40, generator=g), torch.randn(3, 40, generator=g)
+    clean = F.linear(hidden, weight)
+    for p in (0.0, 0.03, 0.3):
+        head = DropoutHead(weight, k=5, p_drop=p, compute_dtype=torch.float32, sparse=True)
+        masks = head.draw_masks(3, g)
+        expected = F.linear(hidden.double().unsqueeze(1) * masks / (1 - p), weight.double())
+        torch.testing.assert_close(head.logits(hidden, clean, masks).double(), expected, atol=1e-4, rtol=1e-4)
+        if p == 0.0:
+            assert torch.equal(head.logits(hidden, clean, masks), clean.unsqueeze(1).expand(-1, 5, -1))
+
+
+def test_cost_rule_picks_sparse_at_small_p_and_masks_on_device():
+    w = torch.randn(100, 640)
+    assert DropoutHead(w, k=5, p_drop=0.032).sparse and not DropoutHead(w, k=5, p_drop=0.3).sparse
+    head = DropoutHead(w, k=5, p_drop=0.3)
+    a = head.draw_masks(4, torch.Generator().manual_seed(1))
+    assert a.device == w.device and a.dtype == torch.bool
+    assert torch.equal(a, head.draw_masks(4, torch.Generator().manual_seed(1)))
+    assert 0.65 < a.float().mean() < 0.75
+
+
+@pytest.mark.parametrize("criterion", CRITERIA)
+def test_p_drop_zero_under_sampling_equals_speculative_sampling(tiny, criterion):
+    sampling = SamplingConfig(0.9, 1.0)
+    for seed in range(3):
+        prompt = random_prompt(seed)
+        sd = Decoder(tiny, MethodConfig("sd", draft_len=4), sampling).generate(prompt, max_new_tokens=32, seed=seed)
+        dm = Decoder(tiny, MethodConfig("dropmatch", draft_len=4, p_drop=0.0, criterion=criterion), sampling)
+        out = dm.generate(prompt, max_new_tokens=32, seed=seed)
+        assert out.stats.extra_accepts == 0
+        assert out.stats.criterion_evaluations > 0
+        assert out.stats.accepted_per_step == sd.stats.accepted_per_step
+
+
+def test_screened_tiny_pair_decisions_equal_exact(tiny):
+    """fast_head forced on (screened clean logits in the verify step): same tokens as exact heads."""
+    target = tiny.target
+    for seed in range(3):
+        prompt = random_prompt(seed)
+        exact = Decoder(tiny, MethodConfig("dropmatch", draft_len=5, head_dtype="float32")).generate(
+            prompt, max_new_tokens=32, seed=seed)
+        target.fast_head = True
+        try:
+            fast = Decoder(tiny, MethodConfig("dropmatch", draft_len=5)).generate(prompt, max_new_tokens=32, seed=seed)
+        finally:
+            target.fast_head = False
+        assert fast.token_ids == exact.token_ids
