@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(PY) -m ruff check dropmatch tests notebooks
 
+# The main suite, then the vLLM plugin's suite in its own environment (vllm-test, below).
 test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q
+	$(MAKE) vllm-test
 
 reproduce: $(STAMP)
 	$(PY) -m dropmatch.reproduce --preset $(PRESET) $(ARGS)
@@ -39,7 +41,7 @@ gpu-check: $(STAMP)
 	$(PY) -m dropmatch.benchmarks.gpu_check
 
 # EAGLE-3 head for the embedded pair (regenerates dropmatch/assets/eagle3-gemma-3-270m; resumable)
-DRAFT_MINUTES ?= 40
+DRAFT_MINUTES ?= 50
 train-draft: $(STAMP)
 	$(PY) -m dropmatch draft train --pair gemma-3-270m --budget-minutes $(DRAFT_MINUTES) --seed 0
 
@@ -53,7 +55,7 @@ clean:
 	rm -rf results .pytest_cache .ruff_cache
 
 # --- DropMatch in vLLM (dropmatch/vllm_plugin): a separate environment, because vLLM 0.32 pins
-# transformers <5.20 and this project >=5.24. Not part of `make test`.
+# transformers <5.20 and this project >=5.24. `make test` runs `vllm-test` after the main suite.
 VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
