@@ -22,6 +22,7 @@ def _reproduce(results, figures, *extra):
                            "-p", "figures_dir", str(figures), *extra], capture_output=True, text=True, timeout=1500)
 
 
+@pytest.mark.timeout(1800)  # all eight notebooks on the Gemma pair: ~13 min on 2 cores, near the 900 s default
 def test_smoke_preset_runs_the_whole_series(tmp_path):
     out = _reproduce(tmp_path / "results", tmp_path / "figures")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
