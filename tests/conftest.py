@@ -34,3 +34,12 @@ def random_prompt(seed: int, low: int = 3, high: int = 259, max_len: int = 24) -
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, max_len, (1,), generator=g))
     return torch.randint(low, high, (n,), generator=g)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models and tensors: one intra-op thread is several times faster on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

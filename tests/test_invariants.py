@@ -15,14 +15,7 @@ from dropmatch.sampling import SamplingConfig
 
 from .conftest import random_prompt
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 
 class FixedCriterion:

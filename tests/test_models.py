@@ -211,14 +211,6 @@ def _tiny_gemma2(softcap: float, noise: float = 0.1) -> tuple[CausalLM, CausalLM
     return CausalLM(target), CausalLM(draft)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models: one intra-op thread is several times faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_gemma2_softcap_head_sd_and_dropout_heads(one_thread):
     """CausalLM.head applies Gemma-2's final-logit cap (it equals the model's own logits), greedy SD

@@ -119,14 +119,6 @@ def test_sample_with_uniform_skips_zero_mass():
 # Draft length >= 3: every draft position, the correction at each of them, and the bonus row
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: one intra-op thread is several times faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 MARKOV_V, MARKOV_L, MARKOV_TOKENS = 4, 3, 4  # vocabulary, draft length, output tokens compared
 
