@@ -22,6 +22,7 @@ import numpy as np
 
 from ..methods import Decoder, MethodConfig
 from ..models import load_pair
+from ..summarize import bootstrap_ci
 from .common import format_table, machine_line
 from .draft_tau import task_prompts
 
@@ -55,10 +56,9 @@ def ratio_ci(num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: n
     return float(ratio(everything)), float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))
 
 
-def mean_ci(values: np.ndarray, n_resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(n_resamples, len(values)))].mean(axis=1)
-    return float(values.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+def mean_ci(values: np.ndarray) -> tuple[float, float, float]:
+    """The mean and its 95 % bootstrap interval (:func:`~dropmatch.summarize.bootstrap_ci`)."""
+    return (float(values.mean()), *bootstrap_ci(values))
 
 
 def methods(draft_len: int, p_drops: list[float], k: int) -> dict[str, MethodConfig]:
