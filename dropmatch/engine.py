@@ -122,7 +122,7 @@ def generate(
         layers = drafter.feature_layers if isinstance(drafter, FeatureDrafter) else ()
         # features: the target's chosen-layer states, for drafters that read them (EAGLE-3); else None
         cache, hidden, features = target.new_cache_with_features(prompt, layers, rollback=drafter is not None)
-        token = choose_token(target.head(hidden[-1:])[0], sampling, generator)
+        token = choose_token(target.head(hidden[-1:], exact=not sampling.greedy)[0], sampling, generator)
         output = [token]
         stats.target_calls = stats.target_tokens = 1
         stats.prefill_s = _clock(device) - start
@@ -134,7 +134,8 @@ def generate(
         while token not in eos and len(output) < max_new_tokens and keep is None:
             remaining = max_new_tokens - len(output)
             if drafter is None:
-                token = choose_token(target.logits(prompt.new_tensor([token]), cache), sampling, generator)
+                token = choose_token(target.logits(prompt.new_tensor([token]), cache, exact=not sampling.greedy), sampling,
+                                     generator)
                 output.append(token)
                 stats.target_calls += 1
                 stats.target_tokens += 1

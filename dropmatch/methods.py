@@ -231,8 +231,8 @@ class Decoder:
         self.sampling = sampling or SamplingConfig()
         self.rule = build_rule(pair.target, self.config)
         self.drafter = build_drafter(pair, self.config)
-        if self.config.speculative and self.sampling.greedy:
-            pair.target.prepare()  # the screened head, built here rather than in the first timed verify step
+        if self.sampling.greedy:
+            pair.target.prepare()  # the screened head, built here rather than in the first timed step
 
     def warm_up(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 8) -> None:
         """One short generation, discarded, so that first-call costs (lazy buffers, allocator, kernel

@@ -26,6 +26,8 @@ from torch import nn
 from .errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
 from .heads.screened import ScreenedHead, bf16_matmul_supported
 from .hub import hub_reachable
+from .kv_cache import use_in_place_layers
+from .onednn_linear import pack_linears
 from .paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,12 @@ class CausalLM:
     Attributes:
         model: the wrapped ``PreTrainedModel``.
         vocab_size: number of logit rows used (the range shared with the paired model).
+        packed_linears: trunk linear layers whose few-row calls go through oneDNN (0: none; see
+            :mod:`dropmatch.onednn_linear`; ``fast_linears=False`` keeps torch's own).
     """
 
-    def __init__(self, model: nn.Module, vocab_size: int | None = None, fast_head: bool | None = None):
+    def __init__(self, model: nn.Module, vocab_size: int | None = None, fast_head: bool | None = None,
+                 fast_linears: bool = True):
         self.model = model.eval()
         self.trunk = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -62,6 +67,8 @@ class CausalLM:
         self.fast_head = self._fast_head_default() if fast_head is None else fast_head
         self._weight_copies: dict[torch.dtype, torch.Tensor] = {}
         self._screened: ScreenedHead | None = None
+        # float32 CPU trunks: few-row GEMMs (decode and verify steps) through oneDNN (dropmatch.onednn_linear)
+        self.packed_linears = pack_linears(self.trunk) if fast_linears else 0
 
     def _fast_head_default(self) -> bool:
         """Screen greedy heads in bfloat16 on CPUs with native bf16 GEMMs, for large fp32 heads."""
@@ -154,6 +161,7 @@ class CausalLM:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        use_in_place_layers(cache)  # updates write in place, no per-step concatenation
         hidden = features = None
         if prompt_ids is not None:
             hidden, features = self.hidden_and_features(prompt_ids, cache, layers)
@@ -162,8 +170,9 @@ class CausalLM:
         return cache, hidden, features
 
     def _screened_head(self, n_rows: int, exact: bool) -> ScreenedHead | None:
-        """The screened bfloat16 head when it applies (greedy, ``fast_head``, several rows, no soft-cap)."""
-        if exact or not self.fast_head or n_rows <= 1 or self.softcap:
+        """The screened bfloat16 head when it applies (greedy, ``fast_head``, no soft-cap). One row too: a
+        bfloat16 GEMV over the 262k x 640 head reads half the bytes of a float32 one (25 vs 60 ms here)."""
+        if exact or not self.fast_head or n_rows < 1 or self.softcap:
             return None
         if self._screened is None:
             self._screened = ScreenedHead(self.head_weight, self.head_weight_as(torch.bfloat16))
@@ -193,9 +202,10 @@ class CausalLM:
             return screened(hidden, extra)
         return self.head(hidden, exact), None
 
-    def logits(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """Logits (V,) float32 after the last of ``ids``; extends ``cache``."""
-        return self.head(self.hidden(ids, cache)[-1:])[0]
+    def logits(self, ids: torch.Tensor, cache, exact: bool = True) -> torch.Tensor:
+        """Logits (V,) float32 after the last of ``ids``; extends ``cache``. ``exact=False``: greedy
+        decoding's screened head (exact argmax, see :meth:`head`)."""
+        return self.head(self.hidden(ids, cache)[-1:], exact)[0]
 
 
 def _module_device(module: nn.Module, weight: torch.Tensor) -> torch.device:

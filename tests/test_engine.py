@@ -155,6 +155,9 @@ def test_ngram_lookup():
     # the most recent match wins, and the longest n-gram is tried first
     assert lookup([1, 2, 8, 3, 2, 9, 1, 2], 1, max_ngram=2) == [8]
     assert lookup([4, 2, 8, 3, 2, 9, 1, 2], 1, max_ngram=2) == [9]
+    # vLLM's rule: the first occurrence of the longest match
+    assert lookup([4, 2, 8, 3, 2, 9, 1, 2], 1, max_ngram=2, earliest=True) == [8]
+    assert lookup([1, 2, 8, 3, 1, 2, 9, 1, 2], 2, max_ngram=2, earliest=True) == [8, 3]
 
 
 @pytest.mark.parametrize("keep", [0, 3])

@@ -79,9 +79,9 @@ def test_decoder_builds_the_screened_head_before_any_generation():
     base = make_tiny()
     target = CausalLM(base.target.model, fast_head=True)
     pair = ModelPair(target, base.draft, ByteTokenizer(), "tiny-fast")
-    Decoder(pair, MethodConfig("ar"))
-    assert target._screened is None  # plain decoding never uses it
-    Decoder(pair, MethodConfig("dropmatch"))
+    Decoder(pair, MethodConfig("ar"), SamplingConfig(temperature=1.0))
+    assert target._screened is None  # sampling never uses it
+    Decoder(pair, MethodConfig("ar"))  # greedy plain decoding screens its one-row heads too
     screened = target._screened
     assert screened is not None
     generate(target, pair.encode("abc"), drafter=Decoder(pair, MethodConfig("sd")).drafter, max_new_tokens=8)

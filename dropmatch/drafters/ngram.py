@@ -13,15 +13,16 @@ from .base import Draft
 
 class NgramDrafter:
     """Prompt lookup: find the most recent earlier occurrence of the context's last n-gram
-    (n from ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
+    (n from ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it; with
+    ``earliest``, the first occurrence instead (vLLM's n-gram proposer).
     No model and no distributions (verification treats the draft as one-hot)."""
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, earliest: bool = False):
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_ngram, self.min_ngram, self.earliest = max_ngram, min_ngram, earliest
         self.context: list[int] = []
         self._proposed: list[int] = []
         self.device = torch.device("cpu")
@@ -33,7 +34,7 @@ class NgramDrafter:
 
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         self.context.append(last_token)
-        tokens = lookup(self.context, n, self.max_ngram, self.min_ngram)
+        tokens = lookup(self.context, n, self.max_ngram, self.min_ngram, self.earliest)
         self._proposed = tokens
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device))
 
@@ -41,13 +42,15 @@ class NgramDrafter:
         self.context.extend(self._proposed[:n_accepted])
 
 
-def lookup(context: Sequence[int], n: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
-    """Tokens following the most recent earlier match of the longest matching suffix n-gram."""
+def lookup(context: Sequence[int], n: int, max_ngram: int, min_ngram: int = 1, earliest: bool = False) -> list[int]:
+    """Tokens following the most recent (``earliest``: the first) earlier match of the longest matching
+    suffix n-gram; up to ``n`` of them."""
     if n <= 0:
         return []
     for size in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
         pattern = list(context[-size:])
-        for start in range(len(context) - size - 1, -1, -1):
+        starts = range(len(context) - size - 1, -1, -1)
+        for start in reversed(starts) if earliest else starts:
             if list(context[start : start + size]) == pattern:
                 follow = list(context[start + size : start + size + n])
                 if follow:

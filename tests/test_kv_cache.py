@@ -1,0 +1,66 @@
+"""In-place KV-cache layers: the same attention inputs, logits and rollbacks as transformers' dynamic layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from dropmatch.kv_cache import InPlaceLayer, InPlaceSlidingWindowLayer, use_in_place_layers
+from dropmatch.models import load_pair
+
+
+def _reference_cache(model):
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
+
+
+@pytest.mark.parametrize("pair_name", ["tiny", "tiny-gemma"])
+def test_in_place_cache_gives_the_logits_of_the_dynamic_cache_through_updates_and_rollbacks(pair_name):
+    """Prefill, then steps of 1-4 positions with rollbacks of 0-3, past tiny-gemma's window of 8:
+    every step's logits equal those computed with transformers' own cache."""
+    target = load_pair(pair_name).target
+    ours, _ = target.new_cache(rollback=True)
+    assert all(type(layer) in (InPlaceLayer, InPlaceSlidingWindowLayer) for layer in ours.layers) or not ours.layers
+    reference = _reference_cache(target.model)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (5,), generator=gen)
+    steps = [(ids, 0)] + [(torch.randint(0, target.vocab_size, (n,), generator=gen), back)
+                          for n, back in [(1, 0), (4, 3), (3, 1), (2, 2), (4, 0), (1, 0), (3, 3), (4, 2)] * 2]
+    with torch.inference_mode():
+        for step_ids, back in steps:
+            got = target.head(target.hidden(step_ids, ours))
+            want = target.head(target.hidden(step_ids, reference))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            ours.crop(-back)
+            reference.crop(-back)
+            assert ours.get_seq_length() == reference.get_seq_length()
+    assert ours.get_seq_length() > 8  # the sliding window was passed
+
+
+def test_swap_replaces_dynamic_layers_only_and_refuses_a_filled_cache():
+    cache = DynamicCache(config=load_pair("tiny-gemma").target.model.config)
+    kinds = [type(layer) for layer in cache.layers]
+    use_in_place_layers(cache)
+    swapped = {DynamicLayer: InPlaceLayer, DynamicSlidingWindowLayer: InPlaceSlidingWindowLayer}
+    assert [type(layer) for layer in cache.layers] == [swapped[k] for k in kinds]
+    filled = DynamicCache(config=load_pair("tiny-gemma").target.model.config)
+    filled.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), 0)
+    with pytest.raises(ValueError, match="empty cache"):
+        use_in_place_layers(filled)
+
+
+def test_buffer_growth_keeps_old_states_and_crop_refuses_positive_counts():
+    layer = InPlaceLayer()
+    states = torch.arange(2 * 700 * 3, dtype=torch.float32).view(1, 2, 700, 3)
+    layer.update(states[:, :, :100], states[:, :, :100])
+    capacity = layer.buffer.keys.shape[-2]
+    layer.update(states[:, :, 100:], states[:, :, 100:])  # past the first capacity: grown, old states kept
+    assert layer.buffer.keys.shape[-2] > capacity
+    torch.testing.assert_close(layer.keys, states)
+    layer.crop(-50)
+    torch.testing.assert_close(layer.values, states[:, :, :650])
+    with pytest.raises(ValueError):
+        layer.crop(5)

@@ -1,0 +1,66 @@
+"""oneDNN few-row linears: the values of F.linear, only where they apply, and copies of their own."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dropmatch.onednn_linear import (
+    MAX_ROWS,
+    PackedForward,
+    onednn_linear_supported,
+    pack_linears,
+    unpack_linears,
+)
+
+pytestmark = pytest.mark.skipif(not onednn_linear_supported(), reason="this torch has no oneDNN linear ops")
+
+
+def _calls(monkeypatch) -> list[int]:
+    seen: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.append(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    return seen
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_on_few_rows_and_leaves_the_rest_to_it(bias, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=bias), nn.GELU(), nn.Linear(96, 32, bias=bias))
+    want = {n: torch.randn(1, n, 64) for n in (1, 6, MAX_ROWS + 1)}
+    expected = {n: model(x) for n, x in want.items()}
+    assert pack_linears(model) == 2 and pack_linears(model) == 2  # idempotent
+    seen = _calls(monkeypatch)
+    with torch.inference_mode():
+        for n, x in want.items():
+            torch.testing.assert_close(model(x), expected[n], rtol=1e-5, atol=1e-5)
+    assert seen == [1, 1, 6, 6]  # prefill-sized inputs (MAX_ROWS + 1 rows) stayed on F.linear
+    with torch.enable_grad():
+        x = torch.randn(2, 64, requires_grad=True)
+        model(x).sum().backward()  # autograd takes torch's path
+    assert x.grad is not None and seen == [1, 1, 6, 6]
+    unpack_linears(model)
+    assert not any(isinstance(getattr(m, "forward", None), PackedForward) for m in model.modules())
+
+
+def test_a_copied_model_packs_its_own_weights():
+    model = nn.Sequential(nn.Linear(16, 8))
+    pack_linears(model)
+    with torch.inference_mode():
+        model(torch.randn(3, 16))  # packs the original
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone[0].weight.mul_(2)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(clone(x), F.linear(x, clone[0].weight, clone[0].bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
