@@ -28,6 +28,8 @@ test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q
 	$(MAKE) vllm-test
 
+# PRESET=default without -p overrides refreshes the committed notebooks/ (outputs and run record) and figures/;
+# any other run writes only results/<preset>/ and figures/<preset>/.
 reproduce: $(STAMP)
 	$(PY) -m dropmatch.reproduce --preset $(PRESET) $(ARGS)
 
@@ -61,7 +63,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_ENV   := VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: vllm-venv vllm-test bench-vllm gpu-check-vllm
+.PHONY: vllm-venv vllm-test bench-vllm bench-vllm-peer gpu-check-vllm
 
 vllm-venv: $(VLLM_STAMP)
 
@@ -79,6 +81,11 @@ $(VLLM_STAMP): pyproject.toml
 # The converted Gemma-3-270M comes from the main environment (`make install`) on first use.
 vllm-test: $(VLLM_STAMP)
 	$(VLLM_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+# Our engine beside vLLM-cpu at batch size 1 (AR and n-gram SD, same prompts, token agreement asserted):
+# vLLM runs in $(VLLM_VENV) as a worker process, ours in $(VENV).
+bench-vllm-peer: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_ENV) $(PY) -m dropmatch.benchmarks.vllm_peer $(ARGS)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_ENV) $(VLLM_PY) -m dropmatch.vllm_plugin.bench $(ARGS)

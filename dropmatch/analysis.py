@@ -63,11 +63,18 @@ def head_agreement(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Seque
     """Per answer position (teacher-forced): how many of the K heads pick the majority token
     (``majority_count``), and the heads' mean probability of that token (``majority_prob``)."""
     hidden, logits, _ = teacher_forced(pair, prompt_ids, answer_ids, draft=False)
-    head = dropout_head(pair.target, k, p_drop)
+    return head_agreement_at(pair.target, hidden, logits, k, p_drop, seed, chunk)
+
+
+def head_agreement_at(target: CausalLM, hidden: torch.Tensor, logits: torch.Tensor, k: int = 5,
+                      p_drop: float = 0.3, seed: int = 0, chunk: int = 8) -> dict[str, np.ndarray]:
+    """:func:`head_agreement` on teacher-forced hidden states (n, d) and logits (n, V) already computed
+    (one forward pass serves every p_drop)."""
+    head = dropout_head(target, k, p_drop)
     generator = torch.Generator().manual_seed(seed)
     counts, probs = [], []
     with torch.inference_mode():
-        for start in range(0, len(answer_ids), chunk):
+        for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             masks = head.draw_masks(hidden[rows].shape[0], generator)
             heads = head.logits(hidden[rows], logits[rows], masks)  # (n, K, V)

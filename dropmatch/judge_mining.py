@@ -30,8 +30,9 @@ from .engine import generate
 from .errors import ConfigError
 from .methods import Decoder, MethodConfig
 from .models import ModelPair
+from .provenance import note_models
 from .rules.judge import Judge
-from .runner import append_result, read_results
+from .runner import append_result, model_identity, read_results
 from .stopping import StopOnText
 
 
@@ -130,19 +131,30 @@ class Miner:
         return found
 
 
+def mining_settings(pair: ModelPair, stop: Sequence[str], max_new_tokens: int, max_mismatches: int) -> dict:
+    """What a mined record depends on besides its problem: the models, the budget, the mismatch cap."""
+    return {"model": model_identity(pair), "stop": list(stop), "max_new_tokens": max_new_tokens,
+            "max_mismatches": max_mismatches}
+
+
 def mine(pair: ModelPair, problems: Sequence[tuple[str, str]], out: str | Path, *,
          answer: Callable[[str], str | None], stop: Sequence[str] = (), max_new_tokens: int = 160,
          max_mismatches: int = 6, progress: bool = True) -> list[Mismatch]:
-    """Mine ``problems`` (id, prompt text) into ``out`` (JSON lines, one problem per line), resumably."""
+    """Mine ``problems`` (id, prompt text) into ``out`` (JSON lines, one problem per line), resumably.
+
+    Each line carries its :func:`mining_settings`; only lines with this run's settings are reused, so
+    other budgets or caps mine anew (appending to ``out``) instead of returning stale labels."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["problem"]: r for r in read_results(out)}
+    note_models(pair)
+    settings = mining_settings(pair, stop, max_new_tokens, max_mismatches)
+    done = {r["problem"]: r for r in read_results(out) if r.get("settings") == settings}
     miner = Miner(pair, answer, stop, max_new_tokens, max_mismatches)
     todo = [(pid, text) for pid, text in problems if pid not in done]
     for pid, text in tqdm(todo, desc="mining", disable=not progress, initial=len(problems) - len(todo),
                           total=len(problems)):
         mismatches = miner.mine(pid, pair.encode(text))
-        record = {"problem": pid, "mismatches": [asdict(m) for m in mismatches]}
+        record = {"problem": pid, "settings": settings, "mismatches": [asdict(m) for m in mismatches]}
         append_result(out, record)
         done[pid] = record
     return [Mismatch(**m) for pid, _ in problems for m in done[pid]["mismatches"]]

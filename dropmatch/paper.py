@@ -15,6 +15,16 @@ PAPER_SETUPS = {
     "table4": "Llama-3.1-70B-Instruct, bs=1, n_input=5, p_drop=0.3 (hardware not stated)",
     "table2": "Llama-3.1-70B-Instruct, HumanEval, K=5, p_drop=0.3",
     "table8": "Llama-3.1-70B-Instruct / Llama-3.1-8B-Instruct, Auto-Judge repo, GSM8K 8-shot, L=32, bs=1",
+    "table1": "Llama-3.1-70B-Instruct, HumanEval, K=5 dropout heads decoded alone",
+    "table3": "Llama-3.1-70B-Instruct / Llama-3.1-8B-Instruct, K=5, p_drop=0.3 (task not stated)",
+    "table5": "Llama-3.1-70B-Instruct / Llama-3.1-8B-Instruct, GSM8K, L=10, 4x A100, vLLM TP=4, bs 1-128",
+    "table7": "Llama-3.3-70B-Instruct + EAGLE3 head, naive, K=5, p_drop=0.3, 80 samples per task, GPT-4 judge",
+    "table9": "Llama-3.1-70B-Instruct / Llama-3.1-8B-Instruct, Auto-Judge, LiveCodeBench",
+    "fig1a": "Llama-3.1-70B-Instruct, Auto-Judge head trained on math [read off figure]",
+    "fig1b": "Llama-3.3-70B-Instruct + English-trained EAGLE3 head, L=5 [read off figure]",
+    "fig3": "Llama-3.1-70B-Instruct, Spec-Bench, K=5, Sentence-BERT cosine [no numbers printed]",
+    "fig5": "Llama-3.1-70B-Instruct / Llama-3.1-8B-Instruct, Auto-Judge (+ DM p_drop 0.2, 0.3), GSM8K 8-shot",
+    "fig6": "Llama-3.1-70B-Instruct / Llama-3.1-8B-Instruct, IFEval, math-trained judge, p_drop=0.3 [read off]",
 }
 PAPER_SETUP = PAPER_SETUPS["table6_llama"]
 
@@ -78,3 +88,33 @@ TABLE8_AUTOJUDGE = {0.014: (95.1, 57.4, 94.1, 73.9), 0.022: (94.3, 62.2, 93.9, 7
                     0.112: (91.4, 84.8, 93.0, 90.4), 0.281: (88.2, 90.1, 90.7, 95.9)}
 
 HIDDEN_SIZE = {"Llama-3.1-70B": 8192, "Llama-3.1-8B": 4096, "Qwen3-32B": 5120, "Qwen3-4B": 2560, "Gemma-3-270M": 640}
+
+# The p_drop of every main result (Tables 4, 6-9, Fig. 6); Fig. 3 also shows 0.1.
+P_DROP = 0.3
+FIG3_P_DROPS = (0.1, 0.3)
+
+# The abstract's range of SD + DM speed-ups over SD (Table 6) and Table 8's of AJ + DM over Auto-Judge.
+HEADLINE_SPEEDUP_RANGE = (1.09, 1.33)
+TABLE8_SPEEDUP_RANGE = (1.06, 1.29)
+
+# Table 3: mean JS divergence to the centroid c of the K heads: case -> (JS(c, draft), JS(c, heads))
+TABLE3_JS = {"dispersed": (0.0254, 0.0313), "concentrated": (0.0097, 0.0014)}
+
+# Table 7, Llama-3.3-70B EAGLE3, naive, K=5, p_drop=0.3, vs autoregressive: (task, L) ->
+# (speedup EAGLE3, tau EAGLE3, speedup EAGLE3+DM, tau EAGLE3+DM)
+TABLE7_EAGLE3 = {("gsm8k", 5): (4.19, 5.82, 4.32, 6.09), ("gsm8k", 7): (4.65, 6.71, 4.86, 7.07),
+                 ("gsm8k", 9): (4.68, 6.71, 5.03, 7.48), ("mt_bench", 5): (3.90, 5.37, 4.13, 5.86),
+                 ("mt_bench", 7): (4.18, 5.81, 4.52, 6.58), ("mt_bench", 9): (4.24, 6.06, 4.62, 6.89),
+                 ("alpaca", 5): (4.31, 5.83, 4.47, 6.30), ("alpaca", 7): (4.75, 6.59, 5.02, 7.25),
+                 ("alpaca", 9): (4.92, 6.89, 5.27, 7.74)}
+
+# Fig. 1 [read off figure]: (a) task -> (Standard score, Auto-Judge score); (b) task -> (Standard tau,
+# EAGLE3 tau) at L=5
+FIG1A_AUTOJUDGE = {"gsm8k": (96.0, 91.5), "ifeval": (87.0, 73.5)}
+FIG1B_EAGLE3_TAU = {"mt_bench": (4.8, 5.4), "komt_bench": (4.2, 1.45)}
+
+# Fig. 6 [read off figure], IFEval at the most permissive judge threshold: method -> (accuracy, speedup)
+FIG6_IFEVAL = {"standard": (86.9, 1.0), "auto-judge": (73.6, 1.92), "auto-judge+dm": (81.4, 2.03)}
+
+# Table 5: throughput of SD + DM over SD by batch size (vLLM, 4x A100)
+TABLE5_BATCH = {1: 1.19, 4: 1.18, 16: 1.12, 32: 1.10, 64: 1.15, 128: 1.10}

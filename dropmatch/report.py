@@ -1,13 +1,21 @@
-"""Tables that put the paper's numbers beside ours, built from the notebooks' result tables."""
+"""Tables that put the paper's numbers beside ours, built from the notebooks' result tables, and the
+paired estimates over per-example records (95 % bootstrap intervals over prompts) the verdicts rest on."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from .benchmarks.common import describe_model, machine_line
 from .paper import PAPER_SETUPS, TABLE2_AGREEMENT, TABLE4_OVERHEAD_PERCENT, TABLE10_KOMT, table6_for
+from .runner import read_results
+from .summarize import PRIMARY_SCORE, bootstrap_ci, paired_ratio_ci
+from .tasks.metrics import answers_agree
 
 
 def setup_line(pair) -> str:
@@ -103,6 +111,8 @@ def side_by_side(results_dir: str | Path, overhead: pd.DataFrame | None, p_equal
     if overhead is not None:
         js = overhead[overhead["rule"].str.contains("js+majority", regex=False)
                       & overhead["rule"].str.contains("bfloat16")]
+        at_paper_p = js["rule"].str.contains("p=0.3 ", regex=False)  # the paper's p_drop where measured
+        js = js[at_paper_p] if at_paper_p.any() else js
         if len(js):
             rows.append({"comparison": "head overhead, K=5 JS (% of the verify step)",
                          "paper": TABLE4_OVERHEAD_PERCENT["K=5 js"],
@@ -134,3 +144,134 @@ def side_by_side(results_dir: str | Path, overhead: pd.DataFrame | None, p_equal
     table["our setup"] = [our_setup if not isinstance(m, str) or not m or m in our_setup else f"{m}; {machine_line()}"
                           for m in table.pop("model")]  # a table run on other models than ours names them
     return table
+
+
+# --- paired estimates over the per-example records of two runs -------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A value with its 95 % interval, the number of prompts it rests on and how it was obtained."""
+
+    value: float
+    lo: float = float("nan")
+    hi: float = float("nan")
+    n: int | None = None
+    source: str = ""
+
+
+def label_value(label: str, key: str) -> float:
+    """A number a method label or run name shows (``p=0.3``, ``t=0.2``, ``@L5`` / ``L=5``); NaN if none."""
+    pattern = {"L": r"(?:@L|\bL=)(\d+)"}.get(key, rf"\b{re.escape(key)}=([0-9.]+(?:e-?\d+)?)")
+    found = re.search(pattern, label)
+    return float(found.group(1)) if found else float("nan")
+
+
+def records_path(results_dir: str | Path, row: pd.Series) -> Path:
+    """The JSON-lines file :func:`~dropmatch.experiments.run_methods` wrote for a summary row: its
+    ``records`` column, else the name built from ``task``, ``model`` and ``method``."""
+    from .experiments import slug
+
+    if isinstance(row.get("records"), str) and row["records"]:
+        return Path(results_dir) / Path(row["records"]).name
+    return Path(results_dir) / f"{row['task']}__{slug(str(row['model']))}__{slug(str(row['method']))}.jsonl"
+
+
+def records_for(results_dir: str | Path, row: pd.Series) -> list[dict] | None:
+    """The per-example records behind a summary row, or ``None`` when the row lacks the columns or the
+    file is absent."""
+    if not isinstance(row.get("records"), str) and not all(isinstance(row.get(c), str)
+                                                           for c in ("task", "model", "method")):
+        return None
+    path = records_path(results_dir, row)
+    return read_results(path, repair=False) if path.exists() else None
+
+
+def paired(a: Sequence[dict], b: Sequence[dict]) -> list[tuple[dict, dict]]:
+    """The records of two runs on the same prompts (by ``id``, in ``a``'s order)."""
+    by_id = {r["id"]: r for r in b}
+    return [(r, by_id[r["id"]]) for r in a if r["id"] in by_id]
+
+
+def decode_totals(record: dict) -> tuple[float, float, float]:
+    """(tokens after the first, verify steps, seconds after the prefill) of one record's statistics."""
+    s = record["stats"]
+    g = s.get("generations", 1)
+    return (max(s["new_tokens"] - g, 0), max(s["target_calls"] - g, 0),
+            max(s.get("wall_s", 0.0) - s.get("prefill_s", 0.0), 0.0))
+
+
+RATIOS = {"tau": (0, 1), "speed": (0, 2)}
+"""What a ratio of two runs divides: the paper's tau (decode tokens / verify steps) or decode tokens/s."""
+
+
+def paired_ratio(pairs: Sequence[tuple[dict, dict]], kind: str) -> Estimate:
+    """(run a / run b) of ``RATIOS[kind]``, each a ratio of sums over the prompts, with a paired 95 %
+    bootstrap interval over prompts."""
+    num, den = RATIOS[kind]
+    a = np.array([decode_totals(x) for x, _ in pairs], dtype=float).reshape(-1, 3)
+    b = np.array([decode_totals(y) for _, y in pairs], dtype=float).reshape(-1, 3)
+    if not len(pairs) or min(a[:, den].sum(), b[:, den].sum(), b[:, num].sum()) <= 0:
+        return Estimate(float("nan"), n=len(pairs), source="no decoded tokens")
+    value = (a[:, num].sum() / a[:, den].sum()) / (b[:, num].sum() / b[:, den].sum())
+    lo, hi = paired_ratio_ci(a[:, num], a[:, den], b[:, num], b[:, den])
+    return Estimate(float(value), lo, hi, len(pairs), f"paired bootstrap over {len(pairs)} prompts")
+
+
+def paired_mean(values: Sequence[float], what: str) -> Estimate:
+    """The mean of per-prompt values with its 95 % bootstrap interval."""
+    values = np.asarray(values, dtype=float)
+    if not len(values):
+        return Estimate(float("nan"), n=0, source=f"no prompts with {what}")
+    lo, hi = bootstrap_ci(values)
+    return Estimate(float(values.mean()), lo, hi, len(values), f"bootstrap over {len(values)} prompts ({what})")
+
+
+def score_key(task: str, records: Sequence[dict]) -> str | None:
+    """The score a task is read by: an LLM judge's where one graded the records, else the primary one."""
+    if any("judge_score" in r.get("score", {}) for r in records):
+        return "judge_score"
+    return PRIMARY_SCORE.get(task)
+
+
+def score_difference(pairs: Sequence[tuple[dict, dict]], key: str, scale: float = 100.0) -> Estimate:
+    """Mean over prompts of score(a) - score(b) times ``scale`` (100: points of a 0-1 score)."""
+    diffs = [scale * (x["score"][key] - y["score"][key]) for x, y in pairs
+             if key in x.get("score", {}) and key in y.get("score", {})]
+    return paired_mean(diffs, f"{key} difference")
+
+
+def _agree(task: str, a: dict, b: dict) -> float:
+    """1.0 / 0.0 where both records give the same / another answer, NaN where they cannot be compared
+    (a pass / fail task whose record holds no score)."""
+    try:
+        return float(answers_agree(task, a, b))
+    except (KeyError, ValueError):
+        return float("nan")
+
+
+def agreement(task: str, pairs: Sequence[tuple[dict, dict]]) -> Estimate:
+    """Share of prompts where both runs give the same answer (:func:`~dropmatch.tasks.metrics.answers_agree`)."""
+    same = [_agree(task, x, y) for x, y in pairs]
+    return paired_mean([v for v in same if v == v], "answer agreement")
+
+
+def agreement_gain(task: str, triples: Sequence[tuple[dict, dict, dict]]) -> Estimate:
+    """Mean over prompts of agree(a, ref) - agree(b, ref): how much more often run a than run b gives the
+    reference run's answer."""
+    diffs = [_agree(task, a, r) - _agree(task, b, r) for a, b, r in triples]
+    return paired_mean([d for d in diffs if d == d], "answer agreement gain")
+
+
+def mean_score(records: Sequence[dict], key: str) -> float:
+    values = [r["score"][key] for r in records if key in r.get("score", {})]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def column_estimate(row: pd.Series, column: str, transform: Callable[[float], float] = float) -> Estimate:
+    """``row[column]`` with ``<column>_lo`` / ``<column>_hi`` as its interval where the table has them."""
+    value = transform(row[column]) if column in row and pd.notna(row[column]) else float("nan")
+    if f"{column}_lo" in row and f"{column}_hi" in row and pd.notna(row[f"{column}_lo"]):
+        return Estimate(value, transform(row[f"{column}_lo"]), transform(row[f"{column}_hi"]),
+                        int(row["n"]) if "n" in row and pd.notna(row["n"]) else None, f"columns {column}_lo/_hi")
+    return Estimate(value, source=f"no interval (the table has no {column}_lo / {column}_hi)")

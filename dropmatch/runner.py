@@ -9,6 +9,11 @@ killed mid-write) is cut off, and examples already done are skipped, so an inter
 kill -9, resumes without losing or duplicating an example. ``<out>.env.json`` records the
 environment of the first run.
 
+A results file holds one configuration: a run of another one on the same ``--out`` is refused.
+With ``keyed=True`` (the notebooks' caches) the file is :func:`keyed_path` instead, whose name carries
+a hash of everything that changes a record (method configuration, model, seed, budget, fidelity,
+LLM judge, the trained judge file's bytes), so changing a parameter starts a new file and the same parameters resume the old one.
+
 One run at a time writes a results file: for the whole run it holds an exclusive ``flock`` on
 ``<out>.lock`` (which names the holder's pid), so a second run started on the same ``--out`` while
 the first is still going stops at once with a ``ConfigError`` naming that pid. The kernel drops the
@@ -24,7 +29,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,7 +38,7 @@ from tqdm.auto import tqdm
 from .errors import ConfigError
 from .fidelity import compare_to_greedy, target_nll
 from .methods import Decoder, MethodConfig
-from .provenance import environment_record
+from .provenance import environment_record, note_models
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .tasks import Example, chat_prompt, cut_output, generation_defaults, load_task, score
@@ -146,6 +151,7 @@ class GreedyReference:
         self.decoder = Decoder(pair, MethodConfig(self.METHOD), SamplingConfig())
         self.stop, self.max_new_tokens = tuple(stop), max_new_tokens
         self.identity = model_identity(pair)
+        note_models(pair)
         self.cache = Path(cache) if cache else None
         self._known = {r["key"]: r for r in read_results(self.cache)} if self.cache else {}
 
@@ -177,8 +183,9 @@ class TaskRunner:
 
     def __init__(self, decoder: Decoder, task: str, *, max_new_tokens: int | None = None, seed: int = 0,
                  fidelity: bool = False, chat_template: bool = False, reference_cache: str | Path | None = None,
-                 llm_judge: JudgeEndpoint | None = None):
+                 llm_judge: JudgeEndpoint | None = None, example_seed: Callable[[int, str], int] | None = None):
         self.decoder, self.task, self.seed = decoder, task, seed
+        self.example_seed = example_seed
         self.llm_judge = llm_judge
         self.judge_prompts = load_judge_prompts(task) if llm_judge is not None else None
         defaults = generation_defaults(task)
@@ -198,6 +205,7 @@ class TaskRunner:
         """Prompt ids, output ids, stats and cut texts of each turn (one turn for single-prompt tasks)."""
         prompts, outputs, stats, texts = [], [], [], []
         n_turns = len(example.turns) if example.turns else 1
+        seed = self.seed_of(example)
         for turn in range(n_turns):
             if example.turns:
                 prompt = chat_prompt(example.turns, texts, tokenizer=decoder.pair.tokenizer,
@@ -205,12 +213,16 @@ class TaskRunner:
             else:
                 prompt = example.prompt
             ids = self.encode(decoder.pair, prompt)
-            result = decoder.generate(ids, max_new_tokens=self.max_new_tokens, seed=self.seed + turn, stop=self.stop)
+            result = decoder.generate(ids, max_new_tokens=self.max_new_tokens, seed=seed + turn, stop=self.stop)
             prompts.append(ids)
             outputs.append(result.token_ids)
             stats.append(result.stats)
             texts.append(cut_output(self.task, decoder.pair.decode(result.token_ids)))
         return prompts, outputs, stats, texts
+
+    def seed_of(self, example: Example) -> int:
+        """The seed ``example`` decodes with (turn t: this + t): its own, or the run's for every example."""
+        return self.example_seed(self.seed, example.id) if self.example_seed else self.seed
 
     def warm_up(self, example: Example) -> None:
         """One short, discarded generation on ``example``'s (first) prompt: first-call costs stay out
@@ -226,7 +238,8 @@ class TaskRunner:
             "model": model_identity(self.decoder.pair),
             "output": texts if example.turns else texts[0],
             "score": score(example, texts[-1]) if not example.turns else score(example, "\n".join(texts)),
-            "stats": merge_stats(stats).to_dict(), "seed": self.seed,
+            "stats": merge_stats(stats).to_dict(), "seed": self.seed, "example_seed": self.seed_of(example),
+            "seeding": "per-example" if self.example_seed else "run",
             "config": self.decoder.config.to_dict(), "sampling": asdict(self.decoder.sampling),
             "max_new_tokens": self.max_new_tokens,
         }
@@ -253,20 +266,28 @@ def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None 
              max_new_tokens: int | None = None, fidelity: bool = False, chat_template: bool = False,
              data_dir: str | Path | None = None, progress: bool = True,
              reference_cache: str | Path | None = None, llm_judge: JudgeEndpoint | None = None,
-             warmup: bool = True) -> list[dict]:
+             warmup: bool = True, keyed: bool = False,
+             example_seed: Callable[[int, str], int] | None = None) -> list[dict]:
     """Decode ``task`` into ``out`` (JSON lines), resuming what is already there. Returns all records.
-    With ``warmup``, one short untimed generation on the first example to do comes first.
+    With ``warmup``, one short untimed generation on the first example to do comes first. With
+    ``keyed``, the file is ``keyed_path(out, ...)``: one per configuration, none refused. With
+    ``example_seed(seed, example id)``, each example decodes (and samples) from a seed of its own.
     Holds ``results_lock(out)`` for the whole run: a second writer of ``out`` gets a ``ConfigError``."""
-    out = Path(out)
+    wanted = {"task": task, "method": decoder.config.label, "model": model_identity(decoder.pair), "seed": seed,
+              "config": decoder.config.to_dict(), "sampling": asdict(decoder.sampling),
+              "max_new_tokens": max_new_tokens or generation_defaults(task).max_new_tokens,
+              "seeding": "per-example" if example_seed else "run"}
+    judge_path = getattr(decoder.config, "judge_path", None)
+    out = keyed_path(out, {**wanted, "fidelity": fidelity, "llm_judge": llm_judge and llm_judge.model,
+                           "chat_template": chat_template, "judge_file": file_digest(judge_path)}) if keyed else Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    note_models(decoder.pair)
     with results_lock(out):
         examples = load_task(task, data_dir=data_dir, limit=limit)
         label = decoder.config.label
         runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
-                            chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge)
-        wanted = {"task": task, "method": label, "model": model_identity(decoder.pair), "seed": seed,
-                  "config": decoder.config.to_dict(), "sampling": asdict(decoder.sampling),
-                  "max_new_tokens": runner.max_new_tokens}
+                            chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge,
+                            example_seed=example_seed)
         done_by_id = _records_to_resume(out, wanted, fidelity)
         env_path = out.with_suffix(out.suffix + ".env.json")
         if not env_path.exists():
@@ -285,12 +306,36 @@ def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None 
     return [done_by_id[e.id] for e in examples]  # this run's examples, in order, each once
 
 
+def config_key(settings: dict) -> str:
+    """A short, stable hash of ``settings`` (JSON-able values; key order does not matter)."""
+    text = json.dumps(settings, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+def file_digest(path: str | Path | None) -> str | None:
+    """A hash of a file's bytes (a trained judge, retrained in place under the same name), if it exists."""
+    if not path or not Path(path).is_file():
+        return None
+    return hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12]
+
+
+def keyed_path(out: str | Path, settings: dict) -> Path:
+    """``out`` with its settings in the name: ``<stem>__seed<seed>-new<max_new_tokens>-<hash>.jsonl``."""
+    out = Path(out)
+    readable = "-".join(f"{short}{settings[k]}" for k, short in (("seed", "seed"), ("max_new_tokens", "new"))
+                        if k in settings)
+    return out.with_name(f"{out.stem}__{readable + '-' if readable else ''}{config_key(settings)}{out.suffix}")
+
+
+OLD_RECORD_DEFAULTS = {"seeding": "run"}  # fields records written before they existed hold implicitly
+
+
 def _records_to_resume(out: Path, wanted: dict, fidelity: bool) -> dict[str, dict]:
     """The records already in ``out`` by id (a torn last line cut off); ``ConfigError`` if they come
     from another configuration."""
     done_by_id: dict[str, dict] = {}
     for record in read_results(out):
-        differs = [k for k, v in wanted.items() if record.get(k) != v]
+        differs = [k for k, v in wanted.items() if record.get(k, OLD_RECORD_DEFAULTS.get(k)) != v]
         if differs:
             raise ConfigError(
                 f"{out} already holds results of another run (different {', '.join(differs)}: "

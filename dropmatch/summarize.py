@@ -10,6 +10,14 @@ decode speed: the prefill, identical for all, dilutes the ratio), ``speedup e2e`
 end-to-end tokens/s (the user's view); each task score with a bootstrap 95 % interval, and fidelity
 to the target's greedy output (exact-match rate, target NLL per token of the output and of the
 greedy output) where recorded.
+
+Every number that is an estimate over prompts has a bootstrap 95 % interval over the prompts beside
+it, in ``<column>_lo`` and ``<column>_hi``: pooled ratios (tau, paper_tau, decode tokens/s) resample
+the prompts and pool again; comparisons with the baseline (``speedup``, ``speedup e2e``,
+``tau_gain`` = paper_tau ratio - 1) resample the prompts both runs share, the same ones for both
+(paired); ``agreement`` is the share of those prompts where the run's answer is the baseline's
+(:func:`~dropmatch.tasks.metrics.answers_agree`: the same final number on GSM8K, letter on MMLU, label
+on KLUE-NLI, pass / fail on HumanEval and IFEval strict, else the same text).
 """
 
 from __future__ import annotations
@@ -21,10 +29,25 @@ from pathlib import Path
 import numpy as np
 
 from .runner import read_results
+from .tasks.metrics import answers_agree
 
 PRIMARY_SCORE = {"gsm8k": "exact_match", "mmlu": "accuracy", "humaneval": "pass@1", "ifeval": "prompt_level_strict_acc",
                  "klue_nli": "accuracy", "mt_bench": "output_chars", "komt_bench": "output_chars",
                  "kullm": "output_chars"}
+
+
+def resamples(n: int, n_resamples: int = 2000, seed: int = 0) -> np.ndarray:
+    """(n_resamples, n) indices of bootstrap resamples of n items; equal for equal (n, seed), so two
+    statistics over the same items (a paired comparison) can share them."""
+    return np.random.default_rng(seed).integers(0, n, size=(n_resamples, n))
+
+
+def _interval(statistics: np.ndarray) -> tuple[float, float]:
+    """2.5th and 97.5th percentiles, resamples where the statistic is undefined (nan) left out."""
+    statistics = statistics[np.isfinite(statistics)]
+    if len(statistics) == 0:
+        return float("nan"), float("nan")
+    return float(np.percentile(statistics, 2.5)), float(np.percentile(statistics, 97.5))
 
 
 def bootstrap_ci(values: Sequence[float], n_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -32,9 +55,56 @@ def bootstrap_ci(values: Sequence[float], n_resamples: int = 2000, seed: int = 0
     values = np.asarray(values, dtype=float)
     if len(values) == 0:
         return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(n_resamples, len(values)))].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    return _interval(values[resamples(len(values), n_resamples, seed)].mean(axis=1))
+
+
+def _pooled(num: np.ndarray, den: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """sum(num) / sum(den) over each resample's items (nan where the denominator sums to 0)."""
+    n, d = num[idx].sum(axis=-1), den[idx].sum(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(d > 0, n / np.where(d > 0, d, 1), np.nan)
+
+
+def pooled_ratio_ci(num: Sequence[float], den: Sequence[float], n_resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of the pooled ratio sum(num) / sum(den) (e.g. tau: tokens over target
+    calls), item i contributing num[i] and den[i]."""
+    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if len(num) == 0:
+        return float("nan"), float("nan")
+    return _interval(_pooled(num, den, resamples(len(num), n_resamples, seed)))
+
+
+def paired_ratio_ci(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float], den_b: Sequence[float],
+                    n_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of (sum(num_a) / sum(den_a)) / (sum(num_b) / sum(den_b)) where item i
+    is one prompt decoded by runs a and b: each resample takes the same prompts for both."""
+    arrays = [np.asarray(x, dtype=float) for x in (num_a, den_a, num_b, den_b)]
+    if len(arrays[0]) == 0:
+        return float("nan"), float("nan")
+    idx = resamples(len(arrays[0]), n_resamples, seed)
+    a, b = _pooled(arrays[0], arrays[1], idx), _pooled(arrays[2], arrays[3], idx)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return _interval(a / b)
+
+
+def per_example(records: Sequence[dict]) -> dict[str, np.ndarray]:
+    """Per record: new tokens, target calls, decode tokens and steps (after each generation's prefill),
+    wall and decode seconds, and end-to-end tokens/s, as arrays (missing timings count 0)."""
+    stats = [r["stats"] for r in records]
+    gens = np.array([s.get("generations", 1) for s in stats], dtype=float)
+    new = np.array([s["new_tokens"] for s in stats], dtype=float)
+    calls = np.array([s["target_calls"] for s in stats], dtype=float)
+    wall = np.array([s.get("wall_s", 0.0) for s in stats], dtype=float)
+    prefill = np.array([s.get("prefill_s", 0.0) for s in stats], dtype=float)
+    return {"new": new, "calls": calls, "decode_tokens": np.maximum(new - gens, 0),
+            "decode_steps": np.maximum(calls - gens, 0), "wall": wall, "decode_s": np.maximum(wall - prefill, 0),
+            "tokens_per_s": np.array([s["tokens_per_s"] for s in stats], dtype=float)}
+
+
+def with_ci(row: dict, column: str, value: float, interval: tuple[float, float]) -> None:
+    """Set ``column``, ``column_lo`` and ``column_hi`` of ``row``."""
+    row[column], row[f"{column}_lo"], row[f"{column}_hi"] = value, interval[0], interval[1]
 
 
 def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dict]:
@@ -42,31 +112,7 @@ def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dic
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["task"], r["method"])].append(r)
-    rows = []
-    for (task, method), rs in sorted(groups.items()):
-        tokens = sum(r["stats"]["new_tokens"] for r in rs)
-        calls = sum(r["stats"]["target_calls"] for r in rs)
-        speeds = pooled_speeds([r["stats"] for r in rs])
-        key = PRIMARY_SCORE.get(task)
-        if any("judge_score" in r["score"] for r in rs):  # an LLM judge graded this run
-            key = "judge_score"
-        scores = [r["score"][key] for r in rs if key in r["score"]]
-        if key is not None and not scores and any(r["score"] for r in rs):
-            raise ValueError(f"{task}/{method}: no record has the score {key!r}; "
-                             f"the records have {sorted(rs[0]['score'])}")
-        low, high = bootstrap_ci(scores)
-        row = {"task": task, "method": method, "n": len(rs), "tau": tokens / calls if calls else float("nan"),
-               "paper_tau": speeds["paper_tau"],
-               "tokens/s": float(np.mean([r["stats"]["tokens_per_s"] for r in rs])),
-               "tokens/s pooled": speeds["tokens/s pooled"], "decode tokens/s": speeds["decode tokens/s"],
-               "score": key, "mean": float(np.mean(scores)) if scores else float("nan"),
-               "ci95": f"[{low:.3f}, {high:.3f}]"}
-        fids = [r["fidelity"] for r in rs if r.get("fidelity")]
-        if fids:
-            row["exact_match_rate"] = float(np.mean([f["exact_match"] for f in fids]))
-            row["nll"] = float(np.mean([f["nll"] for f in fids]))
-            row["greedy_nll"] = float(np.mean([f["greedy_nll"] for f in fids]))
-        rows.append(row)
+    rows = [summarize_run(task, method, rs) for (task, method), rs in sorted(groups.items())]
     for row in rows:
         base = [b for b in rows if b["task"] == row["task"] and _is_baseline(b["method"], baseline)]
         if len(base) > 1:  # e.g. sd@L5 and sd@L10: compare with the one at the same draft length
@@ -74,26 +120,96 @@ def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dic
         if len(base) > 1:
             raise ValueError(f"baseline {baseline!r} matches several runs of {row['task']}: "
                              f"{', '.join(b['method'] for b in base)}; name one exactly")
-        decode = row["decode tokens/s"] == row["decode tokens/s"]  # older records: no times, mean tokens/s
-        speed = "decode tokens/s" if decode else "tokens/s"
-        row["speedup"] = _ratio(row[speed], base[0][speed]) if base else float("nan")
-        row["speedup e2e"] = _ratio(row["tokens/s pooled"], base[0]["tokens/s pooled"]) if base else float("nan")
+        base_records = groups[(row["task"], base[0]["method"])] if base else []
+        row.update(compare_runs(groups[(row["task"], row["method"])], base_records))
+        row.update(agreement(row["task"], groups[(row["task"], row["method"])], base_records))
     return rows
 
 
-def pooled_speeds(stats: Sequence[dict]) -> dict[str, float]:
-    """``paper_tau``, ``tokens/s pooled`` and ``decode tokens/s`` (pooled after the prefill) of several
-    generations' statistics (``GenerationStats.to_dict()``; records without ``generations`` count one)."""
-    gens = [s.get("generations", 1) for s in stats]
-    new = sum(s["new_tokens"] for s in stats)
-    wall = sum(s.get("wall_s", 0.0) for s in stats)
-    decode_tokens = sum(max(s["new_tokens"] - g, 0) for s, g in zip(stats, gens, strict=True))
-    decode_steps = sum(max(s["target_calls"] - g, 0) for s, g in zip(stats, gens, strict=True))
-    decode_s = sum(max(s.get("wall_s", 0.0) - s.get("prefill_s", 0.0), 0.0) for s in stats)
-    nan = float("nan")
-    return {"paper_tau": decode_tokens / decode_steps if decode_steps else nan,
-            "tokens/s pooled": new / wall if wall > 0 else nan,
-            "decode tokens/s": decode_tokens / decode_s if decode_s > 0 else nan}
+def summarize_run(task: str, method: str, rs: Sequence[dict]) -> dict:
+    """One run's row: counts, speeds and scores, each estimate with its interval over the prompts."""
+    x = per_example(rs)
+    key = PRIMARY_SCORE.get(task)
+    if any("judge_score" in r["score"] for r in rs):  # an LLM judge graded this run
+        key = "judge_score"
+    scores = [r["score"][key] for r in rs if key in r["score"]]
+    if key is not None and not scores and any(r["score"] for r in rs):
+        raise ValueError(f"{task}/{method}: no record has the score {key!r}; "
+                         f"the records have {sorted(rs[0]['score'])}")
+    low, high = bootstrap_ci(scores)
+    row = {"task": task, "method": method, "n": len(rs)}
+    with_ci(row, "tau", _pooled_ratio(x["new"], x["calls"]), pooled_ratio_ci(x["new"], x["calls"]))
+    with_ci(row, "paper_tau", _pooled_ratio(x["decode_tokens"], x["decode_steps"]),
+            pooled_ratio_ci(x["decode_tokens"], x["decode_steps"]))
+    with_ci(row, "tokens/s", float(np.mean(x["tokens_per_s"])), bootstrap_ci(x["tokens_per_s"]))
+    row["tokens/s pooled"] = _pooled_ratio(x["new"], x["wall"])
+    with_ci(row, "decode tokens/s", _pooled_ratio(x["decode_tokens"], x["decode_s"]),
+            pooled_ratio_ci(x["decode_tokens"], x["decode_s"]))
+    row["score"] = key
+    with_ci(row, "mean", float(np.mean(scores)) if scores else float("nan"), (low, high))
+    row["ci95"] = f"[{low:.3f}, {high:.3f}]"
+    fids = [r["fidelity"] for r in rs if r.get("fidelity")]
+    if fids:
+        exact = [float(f["exact_match"]) for f in fids]
+        delta = [f["nll"] - f["greedy_nll"] for f in fids]
+        with_ci(row, "exact_match_rate", float(np.mean(exact)), bootstrap_ci(exact))
+        row["nll"] = float(np.mean([f["nll"] for f in fids]))
+        row["greedy_nll"] = float(np.mean([f["greedy_nll"] for f in fids]))
+        with_ci(row, "delta_nll", float(np.mean(delta)), bootstrap_ci(delta))
+    return row
+
+
+def compare_runs(records: Sequence[dict], base_records: Sequence[dict]) -> dict[str, float]:
+    """``speedup`` (decode tokens/s over the baseline's; records without timings: mean tokens/s),
+    ``speedup e2e`` (pooled end-to-end tokens/s) and ``tau_gain`` (paper_tau ratio - 1) of a run
+    over ``base_records``, each with its paired interval, on the prompts both hold (nan without them)."""
+    a, b = _paired(records, base_records)
+    row: dict[str, float] = {}
+    if not a:
+        for column in ("speedup", "speedup e2e", "tau_gain"):
+            with_ci(row, column, float("nan"), (float("nan"), float("nan")))
+        return row
+    x, y = per_example(a), per_example(b)
+    ones = np.ones(len(a))
+    timed = x["decode_s"].sum() > 0 and y["decode_s"].sum() > 0  # older records: no times, mean tokens/s
+    num, den = ("decode_tokens", "decode_s") if timed else ("tokens_per_s", None)
+    speed = [x[num], x[den] if den else ones, y[num], y[den] if den else ones]
+    with_ci(row, "speedup", _ratio(_pooled_ratio(*speed[:2]), _pooled_ratio(*speed[2:])), paired_ratio_ci(*speed))
+    e2e = [x["new"], x["wall"], y["new"], y["wall"]]
+    with_ci(row, "speedup e2e", _ratio(_pooled_ratio(*e2e[:2]), _pooled_ratio(*e2e[2:])), paired_ratio_ci(*e2e))
+    tau = [x["decode_tokens"], x["decode_steps"], y["decode_tokens"], y["decode_steps"]]
+    low, high = paired_ratio_ci(*tau)
+    with_ci(row, "tau_gain", _ratio(_pooled_ratio(*tau[:2]), _pooled_ratio(*tau[2:])) - 1, (low - 1, high - 1))
+    return row
+
+
+def agreement(task: str, records: Sequence[dict], reference_records: Sequence[dict]) -> dict[str, float]:
+    """``agreement``: share of the prompts both runs hold where ``records`` give the answer
+    ``reference_records`` give (:func:`~dropmatch.tasks.metrics.answers_agree`; the reference: a
+    lossless run), with its interval; nan where no pair of records can be compared."""
+    same = []
+    for r, ref in zip(*_paired(records, reference_records), strict=True):
+        if "output" in r and "output" in ref:
+            try:
+                same.append(float(answers_agree(task, r, ref)))
+            except ValueError:  # pass / fail tasks whose records hold no score
+                continue
+    row: dict[str, float] = {}
+    with_ci(row, "agreement", float(np.mean(same)) if same else float("nan"), bootstrap_ci(same))
+    return row
+
+
+def _paired(records: Sequence[dict], base_records: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """The records of the prompts both runs hold, in the first run's order (by ``id``; by position
+    for records without one)."""
+    base = {r.get("id", i): r for i, r in enumerate(base_records)}
+    keys = [(r.get("id", i), r) for i, r in enumerate(records)]
+    shared = [(r, base[k]) for k, r in keys if k in base]
+    return [r for r, _ in shared], [b for _, b in shared]
+
+
+def _pooled_ratio(num: np.ndarray, den: np.ndarray) -> float:
+    return _ratio(float(np.sum(num)), float(np.sum(den)))
 
 
 def _ratio(a: float, b: float) -> float:
@@ -109,7 +225,8 @@ def _draft_length(method: str) -> str | None:
 
 
 COLUMNS = ["task", "method", "n", "tau", "paper_tau", "tokens/s", "tokens/s pooled", "decode tokens/s", "speedup",
-           "speedup e2e", "score", "mean", "ci95", "exact_match_rate", "nll", "greedy_nll"]
+           "speedup e2e", "tau_gain", "score", "mean", "ci95", "agreement", "exact_match_rate", "nll", "greedy_nll",
+           "delta_nll"]
 
 
 def summarize_files(paths: Sequence[str | Path], baseline: str = "sd") -> list[dict]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 
@@ -82,3 +84,16 @@ def test_setup_line_reads_the_loaded_models(tiny):
     quantized = ModelPair(tiny.target, CausalLM(int8_draft(tiny.target.model), vocab_size=259), ByteTokenizer(), "q")
     assert "draft int8 dynamic on cpu" in report.setup_line(quantized)
     assert "float32" in report.figure_labels(tiny)[1]
+
+
+def test_label_values_and_the_records_behind_a_row(tmp_path):
+    assert report.label_value("dropmatch(js+majority,K=5,p=0.0324)@L10", "p") == 0.0324
+    assert report.label_value("judge+dropmatch(t=1e-05,naive,K=5,p=0.3)[judge_path=j]@L5", "t") == 1e-05
+    assert report.label_value("SD+DM L=7", "L") == 7 and math.isnan(report.label_value("sd@L5", "p"))
+    row = pd.Series({"task": "gsm8k", "model": "tiny llama", "method": "sd@L5"})
+    assert report.records_path(tmp_path, row).name == "gsm8k__tiny_llama__sd_L5.jsonl"
+    named = pd.Series({**row.to_dict(), "records": "x.jsonl"})  # run_methods' records column wins
+    assert report.records_path(tmp_path, named).name == "x.jsonl"
+    assert report.records_for(tmp_path, row) is None  # no file
+    (tmp_path / "gsm8k__tiny_llama__sd_L5.jsonl").write_text('{"id": "a", "stats": {}}\n')
+    assert report.records_for(tmp_path, row) == [{"id": "a", "stats": {}}]

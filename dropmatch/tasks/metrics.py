@@ -16,6 +16,10 @@
 ``score`` first cuts the output at the task's stop strings (prompts.GENERATION_DEFAULTS), so raw
 and already-cut generations score the same. ``aggregate`` averages per-example scores, pooling
 IFEval's instruction-level fields over instructions.
+
+``answer_agreement`` / ``answers_agree`` say whether two runs give the same answer (same final number,
+letter or label; same pass or fail for HumanEval and IFEval strict per prompt): a quality measure that
+still moves where a small model's task score sits near 0.
 """
 
 from __future__ import annotations
@@ -165,3 +169,45 @@ def aggregate(scores: Iterable[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = sum(s[key] for s in rows) / len(rows)
     return out
+
+
+# --- answer agreement with another run (quality where task scores sit at the floor) ---------
+
+PASS_FAIL_SCORE = {"humaneval": "pass@1", "ifeval": "prompt_level_strict_acc"}
+"""Tasks whose answers agree when they pass or fail alike (the score key of that pass / fail)."""
+
+
+def final_answer(task: str, output: str) -> str | None:
+    """The answer two runs must share: GSM8K's final number, MMLU's letter, KLUE-NLI's label, else the
+    whole (cut) output."""
+    output = cut_output(task, output)
+    if task == "gsm8k":
+        return extract_gsm8k_answer(output)
+    if task == "mmlu":
+        return extract_choice_letter(output)
+    if task == "klue_nli":
+        return extract_nli_label(output)
+    return output
+
+
+def answer_agreement(task: str, output_a: str, output_b: str, score_a: dict | None = None,
+                     score_b: dict | None = None) -> bool:
+    """Whether two generations give the same answer: the same final number (GSM8K), letter (MMLU) or
+    label (KLUE-NLI), missing ones included (no number in either agrees); the same pass or fail
+    (HumanEval, IFEval strict per prompt: from ``score_a`` / ``score_b``, the outputs' scores); else
+    the same cut text."""
+    if task in PASS_FAIL_SCORE:
+        key = PASS_FAIL_SCORE[task]
+        if score_a is None or score_b is None or key not in score_a or key not in score_b:
+            raise ValueError(f"{task}: answer agreement compares pass / fail, so it needs both scores' {key}")
+        return bool(score_a[key]) == bool(score_b[key])
+    return final_answer(task, output_a) == final_answer(task, output_b)
+
+
+def answers_agree(task: str, record_a: dict, record_b: dict) -> bool:
+    """:func:`answer_agreement` of two result records (``output`` and ``score``; multi-turn outputs,
+    a list of turns, agree when every turn's text is the same)."""
+    a, b = record_a["output"], record_b["output"]
+    if isinstance(a, list) or isinstance(b, list):
+        return a == b
+    return answer_agreement(task, a, b, record_a.get("score"), record_b.get("score"))

@@ -1,0 +1,147 @@
+"""Intervals over prompts in the result tables, per-example seeds, task budgets and the presets' parameters."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import papermill
+import pytest
+
+from dropmatch import experiments, reproduce
+from dropmatch.errors import ConfigError
+from dropmatch.methods import MethodConfig
+from dropmatch.paths import data_dir
+from dropmatch.stats import GenerationStats
+from dropmatch.summarize import bootstrap_ci, paired_ratio_ci, pooled_ratio_ci, summarize_records
+from dropmatch.tasks import load_task
+
+needs_data = pytest.mark.skipif(not (data_dir() / "gsm8k").is_dir(), reason="benchmark data directory not found")
+
+INTERVAL_COLUMNS = ("tau", "paper_tau", "tokens/s", "decode tokens/s", "mean", "exact_match_rate", "delta_nll",
+                    "speedup", "speedup e2e", "tau_gain", "agreement")
+
+
+def _records(method: str, speed: float, seed: int, n: int = 12) -> list[dict]:
+    """Synthetic GSM8K records of one method: prompts of varying length, ``speed`` times faster decoding."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        new = int(rng.integers(20, 60))
+        calls = max(2, int(new / rng.uniform(1.5, 4.0)))
+        prefill = 0.5
+        stats = GenerationStats(new_tokens=new, target_calls=calls, prefill_s=prefill,
+                                wall_s=prefill + new / (10 * speed * rng.uniform(0.7, 1.3))).to_dict()
+        greedy_nll = float(rng.uniform(0.5, 1.5))
+        answer = str(i if rng.random() < 0.7 else 1000 + i)
+        out.append({"id": f"gsm8k/{i}", "task": "gsm8k", "method": method, "output": f"... #### {answer}",
+                    "score": {"exact_match": float(rng.random() < 0.4)}, "stats": stats,
+                    "fidelity": {"exact_match": bool(rng.random() < 0.5), "nll": greedy_nll + rng.uniform(0, 0.3),
+                                 "greedy_nll": greedy_nll}})
+    return out
+
+
+def test_every_estimate_has_an_interval_that_brackets_it():
+    rows = {r["method"]: r for r in summarize_records(_records("sd@L5", 1.0, 0) + _records("dropmatch(x)@L5", 1.3, 1))}
+    dm, sd = rows["dropmatch(x)@L5"], rows["sd@L5"]
+    for column in INTERVAL_COLUMNS:
+        assert dm[f"{column}_lo"] <= dm[column] <= dm[f"{column}_hi"], column
+        assert dm[f"{column}_lo"] < dm[f"{column}_hi"], column  # 12 varied prompts: a real interval
+    assert dm["ci95"] == f"[{dm['mean_lo']:.3f}, {dm['mean_hi']:.3f}]"
+    assert dm["delta_nll"] == pytest.approx(dm["nll"] - dm["greedy_nll"])
+    assert dm["tau_gain"] == pytest.approx(dm["paper_tau"] / sd["paper_tau"] - 1)
+    assert dm["speedup"] == pytest.approx(dm["decode tokens/s"] / sd["decode tokens/s"])
+    # the baseline against itself: paired resamples of the same prompts leave no spread
+    assert (sd["speedup_lo"], sd["speedup"], sd["speedup_hi"]) == pytest.approx((1.0, 1.0, 1.0))
+    assert (sd["tau_gain"], sd["agreement"], sd["agreement_lo"]) == pytest.approx((0.0, 1.0, 1.0))
+
+
+def test_paired_interval_of_a_ratio_constant_per_prompt_collapses():
+    base_tokens = np.array([10.0, 50.0, 20.0, 80.0])
+    base_seconds = np.array([1.0, 9.0, 2.0, 3.0])  # speeds vary a lot from prompt to prompt
+    assert paired_ratio_ci(base_tokens, base_seconds / 2, base_tokens, base_seconds) == pytest.approx((2.0, 2.0))
+    low, high = pooled_ratio_ci(base_tokens, base_seconds)  # unpaired, the same spread shows
+    assert low < base_tokens.sum() / base_seconds.sum() < high
+    assert bootstrap_ci([0, 1] * 50) == pooled_ratio_ci([0, 1] * 50, [1] * 100)  # same resamples, same interval
+
+
+def test_example_seeds_are_stable_and_differ():
+    assert experiments.example_seed(0, "gsm8k/7") == zlib.crc32(b"0/gsm8k/7") == 2446816147
+    assert experiments.example_seed(0, "gsm8k/7", 2) == zlib.crc32(b"0/gsm8k/7/2")
+    seeds = {experiments.example_seed(s, f"gsm8k/{i}") for s in range(3) for i in range(200)}
+    assert len(seeds) == 600
+
+
+def test_token_budget_is_the_tasks_own_capped():
+    assert experiments.token_budget("gsm8k") == 256 and experiments.token_budget("mmlu", 128) == 4
+    assert experiments.token_budget("gsm8k", None, {"gsm8k": 128}) == 128
+    assert experiments.token_budget("gsm8k", 16, {"gsm8k": 128}) == 16  # a run-wide cap still caps
+    assert experiments.token_budget("humaneval", 512, {}) == 384
+
+
+@needs_data
+def test_run_methods_and_run_cells_return_intervals(tiny, tmp_path, one_thread):
+    cells = {"SD": (MethodConfig("sd"), 3), "DM": (MethodConfig("dropmatch", p_drop=0.3), 3),
+             "DM eq": (MethodConfig("dropmatch", p_drop=0.03), 2)}
+    table = experiments.run_cells(tiny, "klue_nli", cells, tmp_path, baseline="SD", progress=False)
+    assert list(table.name) == ["SD", "DM", "DM eq"] and list(table.n) == [3, 3, 2]
+    assert (table.max_new_tokens == 4).all() and all((tmp_path / f).exists() for f in table.records)
+    for column in INTERVAL_COLUMNS + ("draft_acceptance", "verify_ms_per_step"):
+        assert ((table[f"{column}_lo"] <= table[column] + 1e-12) & (table[column] <= table[f"{column}_hi"] + 1e-12)
+                | table[column].isna()).all(), column
+    sd = table.iloc[0]
+    assert sd.speedup == 1.0 and sd.agreement == 1.0 and sd.tau_gain == 0.0
+    with pytest.raises(ConfigError, match="more than its baseline"):
+        experiments.run_cells(tiny, "klue_nli", {"SD": (MethodConfig("sd"), 1), "DM": (MethodConfig("dropmatch"), 2)},
+                              tmp_path, baseline="SD", progress=False)
+
+
+@needs_data
+def test_dropout_paths_depend_on_the_seed(tiny, tmp_path, one_thread):
+    examples = load_task("humaneval", limit=2)
+
+    def paths(seed):
+        return experiments.dropout_paths(tiny, examples, [0.0, 0.5], k=3, max_new_tokens=8, results_dir=tmp_path,
+                                         seed=seed, progress=False)
+
+    first, other = paths(0), paths(1)
+    assert len(list(tmp_path.glob("dropout_paths__humaneval__*__seed*.jsonl"))) == 2  # one file per seed
+    noisy = [(a["token_ids"], b["token_ids"]) for a, b in zip(first, other, strict=True) if a["p_drop"] == 0.5]
+    assert any(a != b for a, b in noisy)  # other seed, other masks
+    assert len({tuple(r["token_ids"]) for r in first if r["p_drop"] == 0.5}) > 1  # heads and examples differ too
+    assert len({r["seed"] for r in first}) == 2 * 3  # a seed per (example, head)
+    for ex in examples:  # no dropout: every head is the greedy path, whatever the seed
+        greedy = [r["token_ids"] for r in first + other if r["id"] == ex.id and r["p_drop"] == 0.0]
+        assert len(greedy) == 6 and all(g == greedy[0] for g in greedy)
+    assert paths(0) == first  # resumed from its own file
+
+
+@needs_data
+def test_head_agreement_by_p_has_intervals(tiny, tmp_path, one_thread):
+    examples = load_task("humaneval", limit=3)
+    table = experiments.agreement_by_p(tiny, examples, [0.0, 0.5], 8, tmp_path, k=3)
+    all_agree = table[table.agreeing_heads == 3].set_index("p_drop")
+    assert all_agree.loc[0.0, "share"] == 1.0 and (all_agree.n == 3).all()
+    assert ((table.share_lo <= table.share) & (table.share <= table.share_hi)).all()
+    assert table.groupby("p_drop").share.sum().round(9).eq(1.0).all()
+
+
+def _declared() -> dict[str, set[str]]:
+    return {nb.name: set(papermill.inspect_notebook(str(nb))) for nb in reproduce.notebooks()}
+
+
+RUN_WIDE = {"preset", "notebooks", "device_map", "llm_judge"}
+
+
+def test_every_preset_parameter_is_declared_by_some_notebook():
+    declared = set().union(*_declared().values())
+    for name, preset in reproduce.PRESETS.items():
+        unknown = set(preset) - declared - RUN_WIDE
+        assert not unknown, f"preset {name} sets parameters no notebook declares: {sorted(unknown)}"
+
+
+def test_headline_cells_get_30_prompts_by_default():
+    declared = {nb.name: papermill.inspect_notebook(str(nb)) for nb in reproduce.notebooks()}
+    for prefix in ("03_", "04_", "05_"):
+        (params,) = [v for k, v in declared.items() if k.startswith(prefix)]
+        assert reproduce.parse_value(params["n_headline"]["default"]) >= 30
