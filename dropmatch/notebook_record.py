@@ -14,10 +14,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from .notebook_cells import KERNEL_TAG, RECORD_TAG, _source, _tags
 from .paths import REPO_ROOT
 
-RECORD_TAG = "run-record"
-KERNEL_TAG = "run-record-kernel"
 RECORD_MIME = "application/vnd.dropmatch.run-record+json"
 KERNEL_SOURCE = f"""try:
     from dropmatch.provenance import run_record as _run_record
@@ -34,25 +33,8 @@ TQDM_TIMING = re.compile(r"\s*\[[0-9:?]+(?:<[0-9:?]+)?(?:,[^\]]*)?\]")
 TQDM_LINE = re.compile(r"\d+%\|.*\|\s*\d+/\d+|\d+it\s*\[")
 
 
-def _tags(cell: Mapping) -> list[str]:
-    return list(cell.get("metadata", {}).get("tags", []))
-
-
-def _source(cell: Mapping) -> str:
-    source = cell.get("source", "")
-    return "".join(source) if isinstance(source, list) else source
-
-
 def _lines(text: str) -> list[str]:
     return text.splitlines(keepends=True)
-
-
-def same_sources(a: Mapping, b: Mapping) -> bool:
-    """Whether two notebooks have the same cells (type and source), run-record cells aside."""
-    def cells(nb):
-        return [(c["cell_type"], _source(c)) for c in nb.get("cells", [])
-                if not {RECORD_TAG, KERNEL_TAG, "injected-parameters"} & set(_tags(c))]
-    return cells(a) == cells(b)
 
 
 def prepare(nb: Mapping) -> dict:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .notebook_cells import same_sources
 from .paths import REPO_ROOT
 
 PACKAGES = ("dropmatch", "torch", "transformers", "datasets", "evaluate", "numpy", "scikit-learn", "papermill")
@@ -45,8 +46,6 @@ def _git(*args: str, root: Path) -> str:
 def _changed_paths(root: Path) -> list[str]:
     """Paths git reports as modified, staged, deleted or untracked, less outputs of a run: anything
     under ``OUTPUT_DIRS`` and notebooks whose cell sources equal HEAD's."""
-    from .notebook_record import same_sources
-
     entries = _git("status", "--porcelain=v1", "-z", "--untracked-files=all", root=root).split("\0")
     paths, skip = [], False
     for entry in entries:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from dropmatch import notebook_record as nr
+from dropmatch.notebook_cells import same_sources
 
 PNG = "iVBORw0KGgoAAAANSUhEUg=="
 
@@ -75,7 +76,7 @@ def test_finish_puts_the_record_after_the_title_and_prepare_takes_it_out(tmp_pat
     assert cell["metadata"]["dropmatch"] == record and "**Run record**" in "".join(cell["source"])
     again = nr.prepare(nb)  # the next run: one record cell, no stale one
     assert [c["id"] for c in again["cells"]] == ["t", "p", "c", nr.KERNEL_TAG]
-    assert nr.same_sources(nb, _executed(tmp_path))
+    assert same_sources(nb, _executed(tmp_path))
 
 
 def test_progress_text_keeps_each_bars_last_state():
