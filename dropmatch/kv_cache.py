@@ -52,8 +52,9 @@ class _Buffer:
         self.length -= n
 
 
-class InPlaceLayer(DynamicLayer):
-    """A full-attention layer: ``DynamicLayer``'s interface, states in a :class:`_Buffer`."""
+class _InPlace:
+    """The in-place part shared by both layers: states in a :class:`_Buffer`; ``_show(new)`` sets the
+    views attention reads after ``new`` positions were appended (0 after a rollback)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -63,11 +64,8 @@ class InPlaceLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.buffer.append(key_states, value_states)
-        self.keys, self.values = self.buffer.view()
+        self._show(key_states.shape[-2])
         return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.buffer.length if self.is_initialized else 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` positions (a count <= 0, as ``DynamicCache.crop(-n)`` passes)."""
@@ -75,36 +73,30 @@ class InPlaceLayer(DynamicLayer):
             raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
         if self.is_initialized:
             self.buffer.drop(-tokens_to_remove)
-            self.keys, self.values = self.buffer.view()
+            self._show(0)
 
 
-class InPlaceSlidingWindowLayer(DynamicSlidingWindowLayer):
+class InPlaceLayer(_InPlace, DynamicLayer):
+    """A full-attention layer: ``DynamicLayer``'s interface, states in a :class:`_Buffer`."""
+
+    def _show(self, new: int) -> None:
+        self.keys, self.values = self.buffer.view()
+
+    def get_seq_length(self) -> int:
+        return self.buffer.length if self.is_initialized else 0
+
+
+class InPlaceSlidingWindowLayer(_InPlace, DynamicSlidingWindowLayer):
     """A sliding-window layer: keeps every state, attention sees the last ``window - 1 + new`` of them."""
 
     def __init__(self, sliding_window: int, **kwargs):
         super().__init__(sliding_window, **kwargs)
         self.record_past = True  # rollback always works: nothing is ever discarded
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.buffer = _Buffer()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        length = self.buffer.append(key_states, value_states)
-        self.cumulative_length = length
-        visible = self.sliding_window - 1 + key_states.shape[-2]  # what get_mask_sizes announced
-        self.keys, self.values = self.buffer.view(max(0, length - visible))
-        return self.keys, self.values
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
-        if self.is_initialized:
-            self.buffer.drop(-tokens_to_remove)
-            self.cumulative_length = self.buffer.length
-            self.keys, self.values = self.buffer.view(max(0, self.buffer.length - self.sliding_window + 1))
+    def _show(self, new: int) -> None:
+        self.cumulative_length = self.buffer.length
+        visible = self.sliding_window - 1 + new  # what get_mask_sizes announced
+        self.keys, self.values = self.buffer.view(max(0, self.buffer.length - visible))
 
 
 def use_in_place_layers(cache) -> None:
