@@ -26,21 +26,56 @@ def onednn_linear_supported() -> bool:
                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class PackedForward:
-    """A replacement ``forward`` for one ``nn.Linear``: oneDNN on few rows, the module's own otherwise."""
+class FewRowLinear:
+    """``x @ weight.T (+ bias)``: oneDNN with the weight reordered once (at the first call that uses it)
+    on inputs of at most :data:`MAX_ROWS` rows without autograd, ``F.linear`` otherwise.
+
+    Args:
+        weight: (out, in) float32 CPU weight (any other is always computed by ``F.linear``).
+        bias: (out,) or ``None``.
+    """
 
     ROWS_HINT = 6  # the batch size oneDNN's weight layout is chosen for (a verify step at L = 5)
 
-    def __init__(self, linear: nn.Linear):
-        self.linear = linear
-        self.packed: torch.Tensor | None = None  # reordered at the first few-row call
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self.packed: torch.Tensor | None = None
+
+    def applies(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        return (0 < rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == torch.float32
+                and x.device.type == "cpu" and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu"
+                and onednn_linear_supported())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if 0 < rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self.applies(x):
             if self.packed is None:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.linear.weight.detach(), self.ROWS_HINT)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.linear.bias, "none", [], "")
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.ROWS_HINT)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class PackedForward:
+    """A replacement ``forward`` for one ``nn.Linear``: oneDNN on few rows, the module's own otherwise."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+        self._kernel: FewRowLinear | None = None  # built at the first call (a module being deep-copied has no weight yet)
+
+    @property
+    def kernel(self) -> FewRowLinear:
+        if self._kernel is None:
+            self._kernel = FewRowLinear(self.linear.weight, self.linear.bias)
+        return self._kernel
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The reordered weight, once a few-row call has built it."""
+        return None if self._kernel is None else self._kernel.packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel.applies(x):
+            return self.kernel(x)
         return F.linear(x, self.linear.weight, self.linear.bias)
 
     def __deepcopy__(self, memo: dict) -> PackedForward:
@@ -70,4 +105,4 @@ def unpack_linears(module: nn.Module) -> None:
             del layer.forward
 
 
-__all__ = ["MAX_ROWS", "PackedForward", "onednn_linear_supported", "pack_linears", "unpack_linears"]
+__all__ = ["MAX_ROWS", "FewRowLinear", "PackedForward", "onednn_linear_supported", "pack_linears", "unpack_linears"]

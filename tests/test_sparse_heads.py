@@ -180,3 +180,23 @@ def test_screened_tiny_pair_decisions_equal_exact(tiny):
         finally:
             target.fast_head = False
         assert fast.token_ids == exact.token_ids
+
+
+def test_screened_clean_bounds_hold_per_token():
+    """The per-token bound on the screened head's bfloat16 logits holds at every token, and is tighter
+    than the one-number bound (largest row norm, largest logit) at most of them."""
+    from dropmatch.heads.screened import ScreenedHead, rounding_bound
+
+    g = torch.Generator().manual_seed(0)
+    tighter = []
+    for _ in range(10):
+        weight = torch.randn(500, 64, generator=g) * torch.rand(500, 1, generator=g)
+        hidden = 10 * torch.randn(6, 64, generator=g)
+        approx = ScreenedHead(weight, refine_margin=0.0)(hidden)
+        exact = (hidden.double() @ weight.double().T).float()
+        bound = DropoutHead(weight, k=5, p_drop=0.03).screened_clean_bounds(hidden, approx)
+        assert bool(((approx - exact).abs() <= bound).all())
+        one_number = rounding_bound(torch.bfloat16, 64, float(weight.norm(dim=1).max()), hidden.norm(dim=-1, keepdim=True),
+                                    approx.abs().amax(-1, keepdim=True))
+        tighter.append(float((bound < one_number).float().mean()))
+    assert min(tighter) > 0.5

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..onednn_linear import FewRowLinear
 from .screened import bf16_matmul_supported, rounding_bound
 
 SPARSE_MAX_FRACTION = 0.35
@@ -116,6 +117,8 @@ class DropoutHead:
             sparse = expected_union_fraction(k, self.p_drop) <= sparse_max_fraction
         self.sparse = bool(sparse) and not softcap
         self.max_row_norm = float(self.weight.float().norm(dim=1).max()) if self.weight.numel() else 0.0
+        self._exact_linear = FewRowLinear(self.weight)  # oneDNN for the few rows of exact heads on CPU
+        self._norms: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- weights ---------------------------------------------------------------------------------
     @property
@@ -199,7 +202,8 @@ class DropoutHead:
 
     def exact_logits(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         """Head logits (n, K, V) in the weight's own precision, ``W (h * m / (1 - p))`` (soft-capped if any)."""
-        raw = F.linear(dropout_inputs(hidden, masks, self.p_drop).to(self.weight.dtype), self.weight).float()
+        rows = dropout_inputs(hidden, masks, self.p_drop).to(self.weight.dtype)
+        raw = self._exact_linear(rows.reshape(-1, rows.shape[-1])).float().view(*rows.shape[:-1], -1)
         return torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw
 
     def exact_on(self, hidden: torch.Tensor, masks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -208,21 +212,50 @@ class DropoutHead:
         raw = F.linear(dropout_inputs(hidden, masks, self.p_drop).to(rows.dtype), rows).float()
         return torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw
 
-    def error_bounds(self, hidden: torch.Tensor, masks: torch.Tensor, clean_logits: torch.Tensor,
-                     head_logits: torch.Tensor, clean_bound: torch.Tensor | float, fused: bool) -> torch.Tensor:
-        """Bounds (n, K), in logits (nats), on |approx - exact| of every head logit from :meth:`logits`.
+    def row_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(||W_v||, ||W_v - bf16(W_v)||) per vocabulary row (V,) float32, computed once (in chunks)."""
+        if self._norms is None:
+            norms, rounding = [], []
+            for chunk in self.weight.split(32768):
+                w = chunk.float()
+                norms.append(w.norm(dim=1))
+                rounding.append((w - w.to(torch.bfloat16).float()).norm(dim=1))
+            self._norms = (torch.cat(norms), torch.cat(rounding))
+        return self._norms
+
+    def screened_clean_bounds(self, hidden: torch.Tensor, clean_logits: torch.Tensor) -> torch.Tensor:
+        """Per-token bounds (n, V), in nats, on the error of clean logits from a bfloat16 GEMM with float32
+        accumulation and bfloat16 output (the screened head's) over ``hidden`` (n, d).
+
+        With h~ = bf16(h), W~ = bf16(W) and y~ the output: |y~_v - W_v h| <= ||W~_v - W_v|| ||h~||
+        + ||W_v|| ||h~ - h|| (input rounding, Cauchy-Schwarz with the rounding errors measured, not assumed
+        at their worst) + 2 d 2^-24 ||W~_v|| ||h~|| (accumulation) + u / (1 - u) |y~_v| (output rounding),
+        times 1.05 for slack. Tokens the screened head recomputed in float32 are bounded too (conservative).
+        """
+        norms, rounding = self.row_norms()
+        h = hidden.float()
+        h_b = h.to(torch.bfloat16).float()
+        hb_norm, dh_norm = h_b.norm(dim=-1, keepdim=True), (h_b - h).norm(dim=-1, keepdim=True)  # (n, 1)
+        u, d = 2.0**-8, self.weight.shape[1]
+        inputs = rounding * hb_norm + norms * dh_norm + 2 * d * 2.0**-24 * (1 + u) * norms * hb_norm
+        return 1.05 * inputs + 1.05 * u / (1 - u) * clean_logits.float().abs()
+
+    def error_scale(self, fused: bool) -> float:
+        """Factor from the clean logits' error to the head logits' (sparse: (W h - ...) / (1 - p))."""
+        return 1.0 if (fused or not self.sparse) else 1.0 / (1.0 - self.p_drop)
+
+    def product_bounds(self, hidden: torch.Tensor, masks: torch.Tensor, clean_logits: torch.Tensor,
+                       head_logits: torch.Tensor, fused: bool) -> torch.Tensor:
+        """Bounds (n, K), in nats, on the rounding of the compute-dtype product in :meth:`logits`, before
+        :meth:`error_scale` (dense: the perturbation rows; sparse: the gathered columns); a float32 product
+        counts as exact (the reference precision). A head logit's error is at most
+        ``error_scale(fused) * (clean error + product bound)``.
 
         Args:
             hidden, masks: (n, d) and (n, K, d) as for :meth:`logits`.
             clean_logits, head_logits: (n, V) and (n, K, V), the inputs and outputs of :meth:`logits`.
-            clean_bound: (n,) or scalar bound on the clean logits' error (0 when they are exact, the
-                screened head's bound when they were screened).
             fused: whether the dense products came from the verification GEMM (dense path).
-
-        Adds the rounding bound of the compute-dtype product (dense: the perturbation rows; sparse:
-        the gathered columns); a float32 product counts as exact (the reference precision).
         """
-        clean = torch.as_tensor(clean_bound, dtype=torch.float32, device=hidden.device).reshape(-1, 1)
         if self.softcap:  # computed directly in the weight's precision
             return torch.zeros(head_logits.shape[:2], device=hidden.device)
         h = hidden.float().unsqueeze(1)
@@ -231,9 +264,7 @@ class DropoutHead:
         d = self.weight.shape[1]
         if fused or not self.sparse:
             delta_norm = (h * (keep_scale(masks, self.p_drop) - 1.0)).norm(dim=-1)
-            prod = rounding_bound(self.compute_dtype, d, self.max_row_norm, delta_norm, head_mag + clean_mag)
-            return clean + prod
+            return rounding_bound(self.compute_dtype, d, self.max_row_norm, delta_norm, head_mag + clean_mag)
         dropped_norm = (h * ~masks).norm(dim=-1)  # (n, K): ||h_D||
-        prod = rounding_bound(self.compute_dtype, d, self.max_row_norm, dropped_norm,
+        return rounding_bound(self.compute_dtype, d, self.max_row_norm, dropped_norm,
                               clean_mag + (1.0 - self.p_drop) * head_mag)
-        return (clean + prod) / (1.0 - self.p_drop)

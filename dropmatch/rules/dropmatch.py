@@ -40,7 +40,6 @@ import torch
 
 from ..errors import ConfigError
 from ..heads.dropout import DropoutHead
-from ..heads.screened import rounding_bound
 from ..sampling import SamplingConfig, sample_with_uniform
 from .base import PositionTest, Prefetch, VerifyInput
 from .divergence import js_divergence
@@ -139,23 +138,25 @@ def _g(t: torch.Tensor) -> torch.Tensor:
     return torch.expm1(t) * torch.exp(t) + t
 
 
-def log_normalizer_bound(inexact_mass: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Bound zeta on |log Z' - log Z| for a softmax whose logits are exact except on a set of
-    computed mass s' (where |error| <= eps): the exact mass there is at most s_hi = e^eps s' / (1 - s' + e^eps s')."""
-    s_hi = torch.exp(eps) * inexact_mass / (1 - inexact_mass + torch.exp(eps) * inexact_mass)
-    up = torch.log1p(s_hi * torch.expm1(eps))
-    down = -torch.log1p(-(s_hi * -torch.expm1(-eps)).clamp(max=1 - 1e-7))
-    return torch.maximum(up, down)
+def log_normalizer_bound(probs: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """Bound zeta on |log Z - log Z'| for a softmax a' = softmax(l') whose logits are off by at most
+    ``err`` (nats, 0 on exact tokens): Z / Z' = sum_v a'_v e^{l_v - l'_v} lies in
+    [1 + sum_v a'_v (e^{-err_v} - 1), 1 + sum_v a'_v (e^{err_v} - 1)]. ``probs`` a', ``err``: (..., V)
+    (broadcast) -> (...)."""
+    err = err.clamp(max=30.0)
+    up = torch.log1p((probs * torch.expm1(err)).sum(-1))
+    down = -torch.log1p((probs * torch.expm1(-err)).sum(-1).clamp(min=-1 + 1e-7))
+    return 1.01 * torch.maximum(up, down) + 1e-7  # slack for the float32 sums
 
 
-def js_error_bound(mass_inexact: torch.Tensor, zeta: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Bound on |JS(a' || b') - JS(a || b)| when every log-probability of a and b is off by at most
-    zeta on the exact tokens and zeta + eps on the others; ``mass_inexact`` = a'(N) + b'(N).
+def js_error_bound(a: torch.Tensor, b: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+    """Bound on |JS(a' || b') - JS(a || b)| when every log-probability of a and b at token v is off by
+    at most ``eta_v``: ``a``, ``b`` the computed a', b' (..., V), ``eta`` (..., V) -> (...).
 
     From |a' - a| <= a (e^eta - 1), a |log(a/m)| <= a + b, and |log(a'/m') - log(a/m)| <= 2 eta:
     |dJS| <= sum_v (a'_v + b'_v) [(e^eta_v - 1) e^eta_v + eta_v].
     """
-    return (2 - mass_inexact) * _g(zeta) + mass_inexact * _g(zeta + eps)
+    return ((a + b) * _g(eta.clamp(max=30.0))).sum(-1)  # past 30 nats nothing certifies anyway
 
 
 def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exact: torch.Tensor, draft_token: int,
@@ -165,27 +166,27 @@ def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exa
 
     Args:
         heads: approximate head logits (K, V), exact on the tokens of ``exact`` (V,) bool.
-        eps: (K,) bounds on |approx - exact| on the other tokens (nats).
+        eps: bounds on |approx - exact| on the other tokens (nats): per head (K,), or per head and
+            token (K, V).
     """
-    inexact = ~exact
+    err = (eps.reshape(eps.shape[0], -1) if eps.dim() else eps.reshape(1, 1)).expand_as(heads).masked_fill(exact, 0.0)
     if not sampling.greedy:
         if sampling.top_p < 1:
             return None  # top-p truncation is not continuous in the logits
-        heads, eps = heads / sampling.temperature, eps / sampling.temperature
+        heads, err = heads / sampling.temperature, err / sampling.temperature
         sampling = SamplingConfig()  # the tempered softmax is the plain softmax of scaled logits
     need_js = criterion in ("js", "js+majority")
     probs = torch.softmax(heads, dim=-1) if (need_js or vote_threshold is not None) else None
     if criterion != "js":
         if vote_threshold is None:  # argmax votes: certified if the top is exact and out of reach
-            top_exact = heads.masked_fill(inexact, -math.inf).max(-1)
-            top_other = heads.masked_fill(exact, -math.inf).amax(-1)
-            if bool((top_exact.values <= top_other + eps).any()):
+            top_exact = heads.masked_fill(~exact, -math.inf).max(-1)
+            top_other = (heads + err).masked_fill(exact, -math.inf).amax(-1)
+            if bool((top_exact.values <= top_other).any()):
                 return None
             tokens = top_exact.indices
             votes = tokens == draft_token
         else:
-            zeta = log_normalizer_bound((probs * inexact).sum(-1), eps)
-            eta = zeta + (eps if bool(inexact[draft_token]) else 0.0)
+            eta = log_normalizer_bound(probs, err) + err[:, draft_token]
             p_x = probs[:, draft_token]
             yes, no = p_x * torch.exp(-eta) > vote_threshold, p_x * torch.exp(eta) <= vote_threshold
             if not bool((yes | no).all()):
@@ -195,15 +196,13 @@ def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exa
             return True
         if criterion != "js+majority":
             return False
-    eps_c = eps.mean()
+    err_c = err.mean(0)  # the centroid's logits are the heads' mean
     centroid = torch.softmax(heads[0] + (heads - heads[0]).mean(dim=0), dim=-1)
     draft_js, radii = js_divergence(draft_dist, centroid), js_divergence(probs, centroid)
-    c_inexact = (centroid * inexact).sum()
-    zeta_c = log_normalizer_bound(c_inexact, eps_c)
-    heads_inexact = (probs * inexact).sum(-1)
-    zeta_h = torch.maximum(log_normalizer_bound(heads_inexact, eps), zeta_c)
-    radius_err = js_error_bound(heads_inexact + c_inexact, zeta_h, torch.maximum(eps, eps_c))
-    draft_err = js_error_bound((draft_dist.float() * inexact).sum() + c_inexact, zeta_c, eps_c)
+    eta_c = log_normalizer_bound(centroid, err_c) + err_c  # (V,)
+    eta_h = log_normalizer_bound(probs, err).unsqueeze(-1) + err  # (K, V)
+    radius_err = js_error_bound(probs, centroid, torch.maximum(eta_h, eta_c))
+    draft_err = js_error_bound(draft_dist.float(), centroid, eta_c)  # the draft distribution is exact
     if draft_js + draft_err + JS_SLACK <= (radii - radius_err).max() - JS_SLACK:
         return True
     if draft_js - draft_err - JS_SLACK > (radii + radius_err).max() + JS_SLACK:
@@ -246,12 +245,15 @@ class DropMatch:
             top tokens); ``None``: yes for float32 heads without soft-capping (the screened head's case).
             Their bound then enters the certified decisions.
         refine_margin: nats beyond twice the error bound within which tokens are made exact for JS.
+        escalation: extra margins (nats) tried in turn when a decision is not certified; each makes more
+            tokens exact (a gather of their rows), far cheaper than the K-row float32 head pass that
+            follows when none certifies.
         max_refined: above this many tokens to make exact, the heads are recomputed exactly.
     """
 
     def __init__(self, head: DropoutHead, criterion: str = "js+majority", majority: str = "strict",
                  prefetch: int = 16, screened_clean: bool | None = None, refine_margin: float = 10.0,
-                 max_refined: int = 32768):
+                 escalation: tuple[float, ...] = (0.0, 5.0), max_refined: int = 65536):
         check_criterion_args(criterion, majority)
         self.head, self.criterion, self.majority = head, criterion, majority
         self.prefetch_positions = max(1, prefetch)
@@ -259,7 +261,7 @@ class DropMatch:
         if screened_clean is None:
             screened_clean = head.weight.dtype == torch.float32 and not head.softcap
         self.screened_clean = screened_clean
-        self.refine_margin, self.max_refined = refine_margin, max_refined
+        self.refine_margin, self.escalation, self.max_refined = refine_margin, escalation, max_refined
         self.counters = DropMatchCounters()
 
     def draw(self, inp: VerifyInput) -> torch.Tensor:
@@ -278,13 +280,12 @@ class DropMatch:
         rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if fusable else None
         return Prefetch(rows, masks)
 
-    def _clean_bound(self, inp: VerifyInput, rows: slice) -> torch.Tensor | float:
-        """Bound (n,) on the error of the clean logits at ``rows`` (0 when they are exact)."""
-        if not (inp.sampling.greedy and self.screened_clean):
-            return 0.0
-        hidden = inp.hidden[rows].float()
-        return rounding_bound(torch.bfloat16, hidden.shape[-1], self.head.max_row_norm, hidden.norm(dim=-1),
-                              inp.target_logits[rows].abs().amax(-1))
+    def _clean_bounds(self, inp: VerifyInput, rows: slice) -> torch.Tensor | None:
+        """Per-token bounds (n, V) on the error of the clean logits at ``rows`` (``None`` when they are
+        exact: sampling's float32 head, or heads computed directly under soft-capping)."""
+        if not (inp.sampling.greedy and self.screened_clean) or self.head.softcap:
+            return None
+        return self.head.screened_clean_bounds(inp.hidden[rows], inp.target_logits[rows])
 
     def _vote_thresholds(self, inp: VerifyInput) -> list[float] | None:
         """u_j q_j(x_j) per position under sampling, with the standard rule's uniforms (read from a
@@ -307,9 +308,13 @@ class DropMatch:
 
         def compute(rows: slice, products: torch.Tensor | None) -> None:
             logits = self.head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], products=products)
-            eps = self.head.error_bounds(inp.hidden[rows], masks[rows], inp.target_logits[rows], logits,
-                                         self._clean_bound(inp, rows), fused=products is not None)
-            heads.update({rows.start + i: (logits[i], eps[i]) for i in range(logits.shape[0])})
+            from_gemm = products is not None
+            prod = self.head.product_bounds(inp.hidden[rows], masks[rows], inp.target_logits[rows], logits, from_gemm)
+            clean = self._clean_bounds(inp, rows)  # (n, V) or None
+            scale = self.head.error_scale(from_gemm)
+            for i in range(logits.shape[0]):  # eps (K, V) or (K, 1): bounds on each head logit's error
+                eps = prod[i].unsqueeze(-1) + (0.0 if clean is None else clean[i])
+                heads[rows.start + i] = (logits[i], scale * eps)
 
         if fused is not None:
             compute(slice(0, fused.shape[0] // self.head.k), fused)
@@ -325,9 +330,10 @@ class DropMatch:
             x, q = int(inp.draft_tokens[j]), inp.draft_distribution(j)
             threshold = None if thresholds is None else thresholds[j]
             if float(eps.max()) > 0:
-                verdict = self._certified(j, logits, eps, x, q, inp, masks, threshold)
-                if verdict is not None:
-                    return verdict
+                for extra_margin in self.escalation:  # a wider exact set before a full exact recomputation
+                    verdict = self._certified(j, logits, eps, x, q, inp, masks, threshold, extra_margin)
+                    if verdict is not None:
+                        return verdict
                 self.counters.exact_fallbacks += 1
                 logits = self.head.exact_logits(inp.hidden[j : j + 1], masks[j : j + 1])[0]
             return decide(self.criterion, logits, x, q, inp.sampling, None, self.majority, threshold)
@@ -335,11 +341,17 @@ class DropMatch:
         return test
 
     def _certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, q: torch.Tensor,
-                   inp: VerifyInput, masks: torch.Tensor, threshold: float | None) -> bool | None:
-        """Make the tokens near each head's top exact, then :func:`certified_decide` (None: undecided)."""
+                   inp: VerifyInput, masks: torch.Tensor, threshold: float | None,
+                   extra_margin: float = 0.0) -> bool | None:
+        """Make the tokens near each head's top exact (within the refine margin + ``extra_margin``
+        nats), then :func:`certified_decide` (None: undecided)."""
         needs_mass = self.criterion in ("js", "js+majority") or threshold is not None
-        margin = 2 * float(eps.max()) + (self.refine_margin if needs_mass else 0.5)
+        if extra_margin and not needs_mass:
+            return None  # argmax votes: a wider exact set does not help
+        margin = 2 * float(eps.max()) + (self.refine_margin if needs_mass else 0.5) + extra_margin
         near = (logits >= logits.amax(-1, keepdim=True) - margin).any(0)
+        if needs_mass:  # the draft's likely tokens too: its mass off the exact tokens enters the JS bound
+            near |= q >= q.max() * math.exp(-margin)
         near[x] = True
         tokens = near.nonzero().squeeze(-1)
         if tokens.numel() > self.max_refined:
