@@ -43,7 +43,7 @@ gpu-check: $(STAMP)
 	$(PY) -m dropmatch.benchmarks.gpu_check
 
 # EAGLE-3 head for the embedded pair (regenerates dropmatch/assets/eagle3-gemma-3-270m; resumable)
-DRAFT_MINUTES ?= 50
+DRAFT_MINUTES ?= 58
 train-draft: $(STAMP)
 	$(PY) -m dropmatch draft train --pair gemma-3-270m --budget-minutes $(DRAFT_MINUTES) --seed 0
 

@@ -41,11 +41,14 @@ class FewRowLinear:
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
 
+    def supports_weight(self) -> bool:
+        """Whether the weight can take the oneDNN path at all (float32, CPU, oneDNN in this torch)."""
+        return self.weight.dtype == torch.float32 and self.weight.device.type == "cpu" and onednn_linear_supported()
+
     def applies(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         return (0 < rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == torch.float32
-                and x.device.type == "cpu" and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu"
-                and onednn_linear_supported())
+                and x.device.type == "cpu" and self.supports_weight())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.applies(x):

@@ -34,6 +34,7 @@ PAPER_MODELS = {
     "table6_qwen": ("Qwen/Qwen3-32B", "Qwen/Qwen3-4B"),
     "table10": ("meta-llama/Llama-3.3-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
     "table8": ("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
+    "table7_eagle3_head": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",  # the EAGLE-3 head for table10's target
 }
 
 # Table 6, Llama-3.1-8B/70B-Instruct, JS criterion, K=5, p_drop=0.3: (task, L) -> (tau SD, tau SD+DM, acc SD, acc SD+DM,

@@ -51,7 +51,7 @@ PRESETS: dict[str, dict] = {
         "typical_settings": [[0.09, 0.3]], "divergence_settings": [["js", 0.3]], "dropmatch_p_curve": [0.05, 0.3],
         "tasks_korean": ["komt_bench", "klue_nli"],
         "mine_problems": 2, "mine_mismatches": 2, "mine_max_new_tokens": 32, "thresholds": [0.2],
-        "ood_tasks": ["klue_nli"], "overhead_prompts": 1,
+        "ood_tasks": ["klue_nli"], "overhead_prompts": 1, "n_eagle3": 2, "eagle3_tasks": ["gsm8k"],
     },
     # The notebooks' own defaults (the embedded pair on subsets big enough for the comparisons to mean
     # something): a notebook run by hand in JupyterLab computes what this preset computes.
@@ -105,7 +105,8 @@ PRESETS["paper-qwen"] = {**PRESETS["paper"], "preset": "paper-qwen", "target": P
 
 # Per preset, parameters of single notebooks (file-name prefix) that differ from the preset's.
 NOTEBOOK_PARAMETERS: dict[str, dict[str, dict]] = {
-    "paper": {"05_": {"target": PAPER_MODELS["table10"][0], "draft": PAPER_MODELS["table10"][1]}},
+    "paper": {"05_": {"target": PAPER_MODELS["table10"][0], "draft": PAPER_MODELS["table10"][1],
+                      "eagle3_head": PAPER_MODELS["table7_eagle3_head"]}},
 }
 RUN_ENV = {"device_map": "DROPMATCH_DEVICE_MAP", "llm_judge": "DROPMATCH_LLM_JUDGE"}
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from dropmatch.heads.dropout import DropoutHead
 from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.onednn_linear import onednn_linear_supported
 from dropmatch.rules import RelaxedVerification, VerifyInput
 from dropmatch.rules.dropmatch import CRITERIA, DropMatch
 from dropmatch.sampling import SamplingConfig
@@ -86,21 +87,23 @@ def _with(inp: VerifyInput, seed: int, logits: torch.Tensor | None = None) -> Ve
 @pytest.mark.parametrize("p_drop", [0.0, 0.03, 0.3])
 @pytest.mark.parametrize("criterion", CRITERIA)
 def test_sparse_and_dense_paths_equal_dense_float64(criterion, p_drop, sampling):
-    """Both paths (float32 products) take the decisions of an independent float64 dense computation,
-    evaluating the criterion only where needed; and they accept beyond the standard rule at p > 0."""
+    """The three paths (sparse and dense with float32 products, exact rows where oneDNN runs) take the
+    decisions of an independent float64 dense computation, evaluating the criterion only where needed;
+    and they accept beyond the standard rule at p > 0."""
     extra = evaluated = 0
     for seed in range(40):
         weight, inp = random_case(seed, sampling)
         masks = DropoutHead(weight, k=5, p_drop=p_drop).draw_masks(inp.n_draft, torch.Generator().manual_seed(seed),
                                                                   consume=sampling.greedy)
         expected = dense_reference(criterion, weight, inp, masks, p_drop, seed)
-        for sparse in (True, False):
+        for sparse in (True, False, None):
             head = DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.float32, sparse=sparse)
+            assert head.exact_rows == (sparse is None and onednn_linear_supported())
             verdict = RelaxedVerification(DropMatch(head, criterion)).verify(_with(inp, seed))
             assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, sparse)
             extra += verdict.extra_accepts
             evaluated += verdict.criterion_evaluations
-    assert evaluated < 40 * 2 * 5  # lazily: not every position
+    assert evaluated < 40 * 3 * 5  # lazily: not every position
     if p_drop == 0.0:
         assert extra == 0  # p_drop = 0 is standard verification, greedy and sampled
     elif p_drop == 0.3:
@@ -146,7 +149,12 @@ def test_sparse_logits_match_dense_definition():
 
 def test_cost_rule_picks_sparse_at_small_p_and_masks_on_device():
     w = torch.randn(100, 640)
-    assert DropoutHead(w, k=5, p_drop=0.032).sparse and not DropoutHead(w, k=5, p_drop=0.3).sparse
+    assert DropoutHead(w, k=5, p_drop=0.032, exact_rows=False).sparse
+    assert not DropoutHead(w, k=5, p_drop=0.3, exact_rows=False).sparse
+    default = DropoutHead(w, k=5, p_drop=0.032)  # exact float32 rows where oneDNN can run them
+    assert default.exact_rows == onednn_linear_supported() and default.sparse != default.exact_rows
+    assert not DropoutHead(w.bfloat16(), k=5, p_drop=0.032).exact_rows
+    assert not DropoutHead(w, k=5, p_drop=0.032, sparse=True).exact_rows  # a forced path is kept
     head = DropoutHead(w, k=5, p_drop=0.3)
     a = head.draw_masks(4, torch.Generator().manual_seed(1))
     assert a.device == w.device and a.dtype == torch.bool

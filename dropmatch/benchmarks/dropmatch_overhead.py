@@ -80,8 +80,9 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
     for name in rules:
         ms = 1000 * seconds[name] / n
         counters = getattr(getattr(rules[name], "criterion", None), "counters", None)
-        path = getattr(getattr(getattr(rules[name], "criterion", None), "head", None), "sparse", None)
-        rows.append({"rule": name + ("" if path is None else (" sparse" if path else " dense")),
+        head = getattr(getattr(rules[name], "criterion", None), "head", None)
+        path = "" if head is None else " exact rows" if head.exact_rows else " sparse" if head.sparse else " dense"
+        rows.append({"rule": name + path,
                      "head + rule / step (ms)": ms,
                      "exact fallbacks / step": 0.0 if counters is None else counters.exact_fallbacks / n,
                      "positions with heads / step": evaluations[name] / len(recorder.steps),

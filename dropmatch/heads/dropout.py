@@ -14,7 +14,15 @@ run once. Two ways to get the K head logits from the dropout-free logits ``W h``
   gives the K corrections. At the equal-noise p_drop of a 640-wide model (~0.03) and K = 5, |U| is
   ~15 % of d.
 
-:attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
+* **exact rows**: on a CPU with oneDNN and a float32 weight, ``W (h * m / (1 - p))`` for the K heads of a
+  position directly, a K-row float32 GEMM with the weight reordered once for oneDNN's kernels. The pass
+  is bandwidth-bound: on the embedded pair it costs ~26 ms for 5 rows, as much as one bfloat16 pass,
+  while the dropped-column gather above costs ~27 ms and leaves bfloat16 rounding for the decisions to
+  certify. These heads are exact (float32, the reference precision), so no error bound is needed.
+  :attr:`DropoutHead.exact_rows` says whether this path is taken (default: whenever it applies and no
+  path was forced with ``sparse``).
+
+Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
 dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d
 (default 0.35: the gathered columns are read twice, copied then multiplied, and the dense rows ride
 almost free in the verification GEMM). With p_drop = 0 both paths give every head equal to the
@@ -98,12 +106,14 @@ class DropoutHead:
         weight_in_compute_dtype: ``weight`` already converted, to share one copy.
         sparse: force the sparse (True) or dense (False) path; ``None`` applies the cost rule.
         sparse_max_fraction: the cost rule's threshold on the expected dropped-union fraction.
+        exact_rows: compute each position's K heads exactly with oneDNN's few-row float32 GEMM (see the
+            module docstring); ``None``: where it applies (float32 CPU weight, oneDNN) and ``sparse`` is None.
     """
 
     def __init__(self, weight: torch.Tensor, k: int = 5, p_drop: float = 0.3,
                  compute_dtype: torch.dtype | None = None, softcap: float | None = None,
                  weight_in_compute_dtype: torch.Tensor | None = None, sparse: bool | None = None,
-                 sparse_max_fraction: float = SPARSE_MAX_FRACTION):
+                 sparse_max_fraction: float = SPARSE_MAX_FRACTION, exact_rows: bool | None = None):
         check_dropout_args(k, p_drop)
         self.k, self.p_drop, self.softcap = k, float(p_drop), softcap
         if compute_dtype is None:
@@ -113,11 +123,14 @@ class DropoutHead:
         self._weight_c_given = weight_in_compute_dtype
         self._weight_c: torch.Tensor | None = weight_in_compute_dtype
         self._weight_t: torch.Tensor | None = None
+        self._exact_linear = FewRowLinear(self.weight)  # oneDNN for the few rows of exact heads on CPU
+        if exact_rows is None:
+            exact_rows = sparse is None and self._exact_linear.supports_weight()
+        self.exact_rows = bool(exact_rows)
         if sparse is None:
             sparse = expected_union_fraction(k, self.p_drop) <= sparse_max_fraction
-        self.sparse = bool(sparse) and not softcap
+        self.sparse = bool(sparse) and not softcap and not self.exact_rows
         self.max_row_norm = float(self.weight.float().norm(dim=1).max()) if self.weight.numel() else 0.0
-        self._exact_linear = FewRowLinear(self.weight)  # oneDNN for the few rows of exact heads on CPU
         self._norms: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- weights ---------------------------------------------------------------------------------

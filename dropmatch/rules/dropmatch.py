@@ -275,7 +275,7 @@ class DropMatch:
         positions' perturbation rows to ride in the verification GEMM (``hidden``: the L + 1 positions)."""
         masks = self.head.draw_masks(hidden.shape[0] - 1, generator, consume=sampling.greedy)
         n = min(self.prefetch_positions, masks.shape[0])
-        fusable = (n and not self.head.sparse and not self.head.softcap
+        fusable = (n and not self.head.sparse and not self.head.exact_rows and not self.head.softcap
                    and self.head.compute_dtype == torch.bfloat16)  # the screened GEMM's dtype
         rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if fusable else None
         return Prefetch(rows, masks)
@@ -307,6 +307,11 @@ class DropMatch:
         fused = inp.prefetch.products if inp.prefetch is not None else None
 
         def compute(rows: slice, products: torch.Tensor | None) -> None:
+            if products is None and self.head.exact_rows:  # exact float32 heads: nothing to bound
+                logits = self.head.exact_logits(inp.hidden[rows], masks[rows])
+                zero = torch.zeros((self.head.k, 1), device=logits.device)
+                heads.update({rows.start + i: (logits[i], zero) for i in range(logits.shape[0])})
+                return
             logits = self.head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], products=products)
             from_gemm = products is not None
             prod = self.head.product_bounds(inp.hidden[rows], masks[rows], inp.target_logits[rows], logits, from_gemm)
@@ -323,7 +328,7 @@ class DropMatch:
             if j not in heads:
                 # Dense: the GEMM reads the whole head weight; a few more rows cost almost nothing, so
                 # the next ``prefetch - 1`` positions come with this one. Sparse: one position.
-                span = 1 if self.head.sparse else self.prefetch_positions
+                span = 1 if (self.head.sparse or self.head.exact_rows) else self.prefetch_positions
                 compute(slice(j, min(j + span, inp.n_draft)), None)
             self.counters.evaluations += 1
             logits, eps = heads[j]
