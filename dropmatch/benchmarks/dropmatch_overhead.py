@@ -6,10 +6,12 @@
    states are recorded, and the mean verify-step time (target trunk + head + rule) is measured.
 2. The recorded steps are replayed through the head and each rule (interleaved, repeated, identical
    inputs): standard verification and DropMatch (naive, js+majority; K = 5) at p_drop = 0.032 (the
-   equal-noise value of a 640-wide model: sparse dropped-column heads) and 0.3 (dense heads, fused
-   into the verification GEMM), masks drawn inside the timed step, exact decisions (certified or
-   recomputed; the fallbacks per step are shown). Head overhead = extra head + rule time per step, as
-   a percentage of the standard verify step. Goal (issue 10): js+majority at most 5 % at p = 0.032
+   equal-noise value of a 640-wide model) and 0.3, masks drawn inside the timed step, exact decisions.
+   The head path is DropoutHead's choice, named after the requested head dtype in each row: "exact
+   rows" (float32 through oneDNN, where it runs: the dtype does not apply), else sparse dropped-column
+   heads at small p_drop or dense heads fused into the verification GEMM, both with certified
+   decisions (the exact fallbacks per step are shown). Head overhead = extra head + rule time per step,
+   as a percentage of the standard verify step. Goal (issue 10): js+majority at most 5 % at p = 0.032
    and 15 % at p = 0.3.
 3. End to end: tau and tokens/s of SD and SD + DropMatch on the same prompts, same process.
 """
