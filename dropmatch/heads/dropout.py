@@ -2,7 +2,8 @@
 
 Dropout goes on the *input* of the unchanged LM head only: for a last hidden state h (d,),
 head i sees h * m_i / (1 - p_drop) with m_i ~ Bernoulli(1 - p_drop)^d. The trunk and the KV cache
-run once. Two ways to get the K head logits from the dropout-free logits ``W h`` (V,):
+run once. Two ways to get the K head logits from the dropout-free logits ``W h`` (V,), and a third
+that computes them directly:
 
 * **dense** (the perturbation GEMM): ``W h + W (h * (m_i / (1 - p) - 1))``. The perturbation rows are
   dense, so each head costs one full row of a head GEMM; in bfloat16 they ride in the verification

@@ -234,7 +234,9 @@ class DropMatch:
     rows of the first ``prefetch`` positions (default: all L) ride in the verification GEMM itself
     (:meth:`prefetch`). On the sparse path (small p_drop, see :class:`~dropmatch.heads.dropout.DropoutHead`)
     nothing is prefetched: a position's K heads cost the gathered dropped columns only, computed one
-    position at a time where they are needed. The criteria (argmaxes, JS) run only where the standard
+    position at a time where they are needed. On the exact-rows path (CPUs with oneDNN) nothing is
+    prefetched either: a position's K heads are one exact float32 K-row pass, computed where needed, and
+    their decisions need no certification. The criteria (argmaxes, JS) run only where the standard
     rule rejects, until DropMatch rejects.
 
     Args:
