@@ -12,6 +12,7 @@ BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized inp
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,21 @@ class FewRowLinear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.ROWS_HINT)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the weight's memory -> its kernel
+
+
+def shared_few_row_linear(weight: torch.Tensor) -> FewRowLinear:
+    """The one :class:`FewRowLinear` (no bias) of the memory ``weight`` views: every caller reading
+    it, through the same tensor or an equal view (``CausalLM.head_weight`` slices anew on each call),
+    shares one oneDNN-reordered copy (671 MB for the embedded pair's LM head), built once. The entry
+    lives as long as a caller holds the kernel, which keeps that memory alive."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, str(weight.device))
+    kernel = _SHARED.get(key)
+    if kernel is None:
+        kernel = _SHARED[key] = FewRowLinear(weight.detach())
+    return kernel
 
 
 class PackedForward:
@@ -108,4 +124,4 @@ def unpack_linears(module: nn.Module) -> None:
             del layer.forward
 
 
-__all__ = ["MAX_ROWS", "FewRowLinear", "PackedForward", "onednn_linear_supported", "pack_linears", "unpack_linears"]
+__all__ = ["MAX_ROWS", "FewRowLinear", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears"]

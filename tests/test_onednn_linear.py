@@ -64,3 +64,16 @@ def test_a_copied_model_packs_its_own_weights():
     with torch.inference_mode():
         torch.testing.assert_close(clone(x), F.linear(x, clone[0].weight, clone[0].bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_heads_on_one_weight_share_its_reordered_copy():
+    from dropmatch.heads.dropout import DropoutHead
+
+    w, other = torch.randn(300, 64), torch.randn(300, 64)
+    a, b = DropoutHead(w, k=5, p_drop=0.03), DropoutHead(w[:300], k=3, p_drop=0.3)  # the same memory, a new view
+    assert a._exact_linear is b._exact_linear
+    assert DropoutHead(w[:200], k=5, p_drop=0.03)._exact_linear is not a._exact_linear
+    assert DropoutHead(other, k=5, p_drop=0.03)._exact_linear is not a._exact_linear
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.allclose(a._exact_linear(x), x @ w.T, atol=1e-4)

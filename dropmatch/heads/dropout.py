@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..onednn_linear import FewRowLinear
+from ..onednn_linear import shared_few_row_linear
 from .screened import bf16_matmul_supported, rounding_bound
 
 SPARSE_MAX_FRACTION = 0.35
@@ -124,7 +124,7 @@ class DropoutHead:
         self._weight_c_given = weight_in_compute_dtype
         self._weight_c: torch.Tensor | None = weight_in_compute_dtype
         self._weight_t: torch.Tensor | None = None
-        self._exact_linear = FewRowLinear(self.weight)  # oneDNN for the few rows of exact heads on CPU
+        self._exact_linear = shared_few_row_linear(weight)  # oneDNN for exact heads on CPU, one copy per weight
         if exact_rows is None:
             exact_rows = sparse is None and self._exact_linear.supports_weight()
         self.exact_rows = bool(exact_rows)
