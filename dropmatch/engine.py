@@ -42,11 +42,12 @@ def verify_step(target: CausalLM, rule: VerificationRule, hidden: torch.Tensor, 
     prefetched rows (if any) ride in the head GEMM, then the rule decides."""
     wants = isinstance(rule, Prefetching) and draft.tokens.numel()
     prefetch = rule.prefetch(hidden, sampling, generator) if wants else None
-    logits, products = target.head_with_extra(hidden, prefetch.rows if prefetch else None, exact=not sampling.greedy)
+    exact = not sampling.greedy
+    logits, products = target.head_with_extra(hidden, prefetch.rows if prefetch else None, exact=exact)
     if prefetch is not None:
         prefetch.products = products
     return rule.verify(VerifyInput(draft.tokens, draft.probs, logits, hidden, sampling, generator, draft.logits,
-                                   prefetch))
+                                   prefetch, logits_screened=target.screens(hidden.shape[0], exact)))
 
 
 def _cut_output(output: list[int], keep: int, stats: GenerationStats, last_target: bool) -> None:

@@ -27,7 +27,7 @@ from .errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
 from .heads.screened import ScreenedHead, bf16_matmul_supported
 from .hub import hub_reachable
 from .kv_cache import use_in_place_layers
-from .onednn_linear import pack_linears
+from .onednn_linear import FewRowLinear, pack_linears, shared_few_row_linear
 from .paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ TINY_PAIR = "tiny"
 TINY_GEMMA_PAIR = "tiny-gemma"
 PAIRS = (GEMMA_PAIR, TINY_PAIR, TINY_GEMMA_PAIR)
 DEVICE_MAP_ENV = "DROPMATCH_DEVICE_MAP"
+SCREEN_MAX_ROWS_WITH_ONEDNN = 2  # screened bf16 head vs oneDNN float32 on the embedded pair (ms):
+# 1 row 28 vs 31, 2 rows 33 vs 37, 6 rows 39 vs 27, 11 rows 46 vs 34
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 
@@ -67,6 +69,8 @@ class CausalLM:
         self.fast_head = self._fast_head_default() if fast_head is None else fast_head
         self._weight_copies: dict[torch.dtype, torch.Tensor] = {}
         self._screened: ScreenedHead | None = None
+        self._head_kernel: FewRowLinear | None = None
+        self.screen_max_rows = SCREEN_MAX_ROWS_WITH_ONEDNN if self.exact_head_kernel is not None else 1 << 30
         # float32 CPU trunks: few-row GEMMs (decode and verify steps) through oneDNN (dropmatch.onednn_linear)
         self.packed_linears = pack_linears(self.trunk) if fast_linears else 0
 
@@ -107,8 +111,26 @@ class CausalLM:
 
     def prepare(self) -> None:
         """Build what the first verify step would build lazily (the screened bfloat16 head and its weight
-        copy), so that no timed generation pays for it. Idempotent."""
-        self._screened_head(2, exact=False)
+        copy, the oneDNN-reordered float32 head), so that no timed generation pays for it. Idempotent."""
+        self._screened_head(1, exact=False)
+        if self.exact_head_kernel is not None:
+            self.exact_head_kernel.prepack()
+
+    @property
+    def exact_head_kernel(self) -> FewRowLinear | None:
+        """oneDNN's few-row float32 GEMM over the head weight (shared with the dropout heads, see
+        :func:`~dropmatch.onednn_linear.shared_few_row_linear`), where it runs: float32 CPU head
+        without bias; else ``None`` (``lm_head`` computes the head)."""
+        weight = self.lm_head.weight
+        if (callable(weight) or getattr(self.lm_head, "bias", None) is not None
+                or not isinstance(self.lm_head, nn.Linear)):
+            return None
+        if self._head_kernel is None:
+            kernel = shared_few_row_linear(self.head_weight)
+            if not kernel.supports_weight():
+                return None
+            self._head_kernel = kernel
+        return self._head_kernel
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -169,10 +191,14 @@ class CausalLM:
             cache.activate_past_recording()
         return cache, hidden, features
 
+    def screens(self, n_rows: int, exact: bool) -> bool:
+        """Whether :meth:`head` on ``n_rows`` rows returns screened logits (exact argmax, bfloat16 accuracy
+        off the top tokens; see :meth:`head`) rather than float32 ones."""
+        return (not exact and self.fast_head and 1 <= n_rows <= self.screen_max_rows and not self.softcap)
+
     def _screened_head(self, n_rows: int, exact: bool) -> ScreenedHead | None:
-        """The screened bfloat16 head when it applies (greedy, ``fast_head``, no soft-cap). One row too: a
-        bfloat16 GEMV over the 262k x 640 head reads half the bytes of a float32 one (25 vs 60 ms here)."""
-        if exact or not self.fast_head or n_rows < 1 or self.softcap:
+        """The screened bfloat16 head when :meth:`screens` says so."""
+        if not self.screens(n_rows, exact):
             return None
         if self._screened is None:
             self._screened = ScreenedHead(self.head_weight, self.head_weight_as(torch.bfloat16))
@@ -181,15 +207,22 @@ class CausalLM:
     def head(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:
         """Dropout-free logits (n, V) float32 from hidden states (n, d).
 
-        With ``exact=False`` (greedy verification) and ``fast_head`` on, multi-row heads go through
-        :class:`~dropmatch.heads.screened.ScreenedHead`: same argmax, float32 values on the likely
-        tokens, bfloat16 accuracy on the rest.
+        With ``exact=False`` (greedy decoding) and ``fast_head`` on, heads of at most
+        :attr:`screen_max_rows` rows go through :class:`~dropmatch.heads.screened.ScreenedHead`: same
+        argmax, float32 values on the likely tokens, bfloat16 accuracy on the rest. Every other head is
+        float32, through :attr:`exact_head_kernel` where it runs (oneDNN: on the embedded pair 27 ms
+        for a verify step's 6 rows against 39 ms screened and ~150 ms by MKL's ``F.linear``; on 1-2 rows
+        the screened head is faster, hence :data:`SCREEN_MAX_ROWS_WITH_ONEDNN`).
         """
         hidden = hidden.to(self.device)
         screened = self._screened_head(hidden.shape[0], exact)
         if screened is not None:
             return screened(hidden)
-        logits = self.lm_head(hidden)[..., : self.vocab_size].float()
+        kernel = self.exact_head_kernel
+        if kernel is not None and kernel.applies(hidden):
+            logits = kernel(hidden)
+        else:
+            logits = self.lm_head(hidden)[..., : self.vocab_size].float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

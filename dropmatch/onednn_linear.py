@@ -51,10 +51,14 @@ class FewRowLinear:
         return (0 < rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == torch.float32
                 and x.device.type == "cpu" and self.supports_weight())
 
+    def prepack(self) -> None:
+        """Reorder the weight for oneDNN now (it is otherwise done at the first few-row call)."""
+        if self.packed is None and self.supports_weight():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.ROWS_HINT)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.applies(x):
-            if self.packed is None:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.ROWS_HINT)
+            self.prepack()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

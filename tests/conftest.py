@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -28,6 +31,17 @@ def tiny_gemma() -> ModelPair:
 def gemma() -> ModelPair:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     return load_pair("gemma-3-270m")
+
+
+@contextmanager
+def screened_heads(target: CausalLM) -> Iterator[CausalLM]:
+    """Greedy heads of any row count through the screened bfloat16 head (as on CPUs without oneDNN)."""
+    saved = target.fast_head, target.screen_max_rows
+    target.fast_head, target.screen_max_rows = True, 1 << 30
+    try:
+        yield target
+    finally:
+        target.fast_head, target.screen_max_rows = saved
 
 
 def random_prompt(seed: int, low: int = 3, high: int = 259, max_len: int = 24) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dropmatch.rules.divergence import js_divergence
 from dropmatch.rules.dropmatch import CRITERIA, DropMatch, decide, js_accepts, majority_accepts
 from dropmatch.sampling import SamplingConfig
 
-from .conftest import make_tiny, random_prompt
+from .conftest import make_tiny, random_prompt, screened_heads
 
 GREEDY = SamplingConfig()
 
@@ -236,8 +236,7 @@ def test_model_drafter_interface_round_trip(tiny):
 def test_heads_fused_into_the_verification_gemm(tiny):
     """With the screened head on, the first positions' dropout rows ride in the verify GEMM."""
     target = tiny.target
-    target.fast_head = True
-    try:
+    with screened_heads(target):
         for seed in range(3):
             prompt = random_prompt(seed)
             sd = Decoder(tiny, MethodConfig("sd")).generate(prompt, max_new_tokens=32)
@@ -255,5 +254,3 @@ def test_heads_fused_into_the_verification_gemm(tiny):
         assert torch.equal(logits.argmax(-1), target.head(hidden).argmax(-1))
         out = Decoder(tiny, MethodConfig("dropmatch")).generate(random_prompt(1), max_new_tokens=32)
         assert out.stats.extra_accepts > 0
-    finally:
-        target.fast_head = False

@@ -140,17 +140,14 @@ def test_forced_screened_head_keeps_sd_equal_to_ar(tiny):
     from dropmatch.drafters import ModelDrafter
     from dropmatch.engine import generate
 
-    from .conftest import random_prompt
+    from .conftest import random_prompt, screened_heads
 
-    tiny.target.fast_head = True
-    try:
+    with screened_heads(tiny.target):
         for seed in range(4):
             prompt = random_prompt(seed)
             ar = generate(tiny.target, prompt, max_new_tokens=32).token_ids
             sd = generate(tiny.target, prompt, drafter=ModelDrafter(tiny.draft), max_new_tokens=32).token_ids
             assert sd == ar
-    finally:
-        tiny.target.fast_head = False
 
 
 def test_screened_head_fallback_is_exact_float32():

@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dropmatch.heads.dropout import DropoutHead
+from dropmatch.heads.dropout import SPARSE_FLOAT32_MAX_DROPPED, DropoutHead
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.onednn_linear import onednn_linear_supported
 from dropmatch.rules import RelaxedVerification, VerifyInput
 from dropmatch.rules.dropmatch import CRITERIA, DropMatch
 from dropmatch.sampling import SamplingConfig
 
-from .conftest import random_prompt
+from .conftest import random_prompt, screened_heads
 
 GREEDY = SamplingConfig()
 SAMPLED = SamplingConfig(0.8, 1.0)
@@ -80,7 +80,8 @@ def random_case(seed: int, sampling: SamplingConfig, vocab: int = 60, d: int = 2
 
 def _with(inp: VerifyInput, seed: int, logits: torch.Tensor | None = None) -> VerifyInput:
     return VerifyInput(inp.draft_tokens, inp.draft_probs, inp.target_logits if logits is None else logits, inp.hidden,
-                       inp.sampling, torch.Generator().manual_seed(seed), inp.draft_logits)
+                       inp.sampling, torch.Generator().manual_seed(seed), inp.draft_logits,
+                       logits_screened=logits is not None)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -96,11 +97,13 @@ def test_sparse_and_dense_paths_equal_dense_float64(criterion, p_drop, sampling)
         masks = DropoutHead(weight, k=5, p_drop=p_drop).draw_masks(inp.n_draft, torch.Generator().manual_seed(seed),
                                                                   consume=sampling.greedy)
         expected = dense_reference(criterion, weight, inp, masks, p_drop, seed)
-        for sparse in (True, False, None):
-            head = DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.float32, sparse=sparse)
-            assert head.exact_rows == (sparse is None and onednn_linear_supported())
+        paths = [{"sparse": True}, {"sparse": False}, {}] + ([{"exact_rows": True}] if onednn_linear_supported() else [])
+        for path in paths:
+            head = DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.float32, **path)
+            if not path:  # the default: on CPUs with oneDNN, one of the two float32 paths by K p_drop
+                assert head.exact_rows == (onednn_linear_supported() and 5 * p_drop > SPARSE_FLOAT32_MAX_DROPPED)
             verdict = RelaxedVerification(DropMatch(head, criterion)).verify(_with(inp, seed))
-            assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, sparse)
+            assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, path)
             extra += verdict.extra_accepts
             evaluated += verdict.criterion_evaluations
     assert evaluated < 40 * 3 * 5  # lazily: not every position
@@ -126,7 +129,7 @@ def test_screened_inexact_clean_logits_give_exact_decisions(criterion, p_drop):
         expected = dense_reference(criterion, weight, inp, masks, p_drop, seed)
         for sparse in (True, False):
             dm = DropMatch(DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.bfloat16, sparse=sparse),
-                           criterion, screened_clean=True)
+                           criterion)
             verdict = RelaxedVerification(dm).verify(_with(inp, seed, screened))
             assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, sparse)
             fallbacks += dm.counters.exact_fallbacks
@@ -151,8 +154,11 @@ def test_cost_rule_picks_sparse_at_small_p_and_masks_on_device():
     w = torch.randn(100, 640)
     assert DropoutHead(w, k=5, p_drop=0.032, exact_rows=False).sparse
     assert not DropoutHead(w, k=5, p_drop=0.3, exact_rows=False).sparse
-    default = DropoutHead(w, k=5, p_drop=0.032)  # exact float32 rows where oneDNN can run them
-    assert default.exact_rows == onednn_linear_supported() and default.sparse != default.exact_rows
+    if onednn_linear_supported():  # CPU float32: sparse float32 while few columns drop, else exact rows
+        few = DropoutHead(w, k=5, p_drop=0.032, compute_dtype=torch.bfloat16)
+        assert few.sparse and not few.exact_rows and few.compute_dtype == torch.float32
+        many = DropoutHead(w, k=5, p_drop=0.3)
+        assert many.exact_rows and not many.sparse
     assert not DropoutHead(w.bfloat16(), k=5, p_drop=0.032).exact_rows
     assert not DropoutHead(w, k=5, p_drop=0.032, sparse=True).exact_rows  # a forced path is kept
     head = DropoutHead(w, k=5, p_drop=0.3)
@@ -176,18 +182,16 @@ def test_p_drop_zero_under_sampling_equals_speculative_sampling(tiny, criterion)
 
 
 def test_screened_tiny_pair_decisions_equal_exact(tiny):
-    """fast_head forced on (screened clean logits in the verify step): same tokens as exact heads."""
-    target = tiny.target
-    for seed in range(3):
-        prompt = random_prompt(seed)
-        exact = Decoder(tiny, MethodConfig("dropmatch", draft_len=5, head_dtype="float32")).generate(
-            prompt, max_new_tokens=32, seed=seed)
-        target.fast_head = True
-        try:
-            fast = Decoder(tiny, MethodConfig("dropmatch", draft_len=5)).generate(prompt, max_new_tokens=32, seed=seed)
-        finally:
-            target.fast_head = False
-        assert fast.token_ids == exact.token_ids
+    """Screened clean logits in the verify step (certified decisions on the sparse path at small p_drop):
+    same tokens as with float32 clean logits."""
+    for p_drop in (0.05, 0.3):
+        for seed in range(3):
+            prompt = random_prompt(seed)
+            config = MethodConfig("dropmatch", draft_len=5, p_drop=p_drop)
+            exact = Decoder(tiny, config).generate(prompt, max_new_tokens=32, seed=seed)
+            with screened_heads(tiny.target):
+                fast = Decoder(tiny, config).generate(prompt, max_new_tokens=32, seed=seed)
+            assert fast.token_ids == exact.token_ids
 
 
 def test_screened_clean_bounds_hold_per_token():

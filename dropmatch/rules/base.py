@@ -52,6 +52,8 @@ class VerifyInput:
         draft_logits: (L, V) draft logits, given under greedy decoding instead of ``draft_probs``.
             Drafters with neither (n-gram lookup) count as one-hot.
         prefetch: what the rule's ``prefetch`` asked for this step, if anything.
+        logits_screened: ``target_logits`` come from a screened head (greedy decoding): exact argmax and
+            exact values near the top, bounded bfloat16 error elsewhere; otherwise they are float32.
     """
 
     draft_tokens: torch.Tensor
@@ -62,6 +64,7 @@ class VerifyInput:
     generator: torch.Generator
     draft_logits: torch.Tensor | None = None
     prefetch: Prefetch | None = None
+    logits_screened: bool = False
 
     @property
     def n_draft(self) -> int:

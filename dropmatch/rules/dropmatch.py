@@ -42,7 +42,7 @@ from ..errors import ConfigError
 from ..heads.dropout import DropoutHead
 from ..sampling import SamplingConfig, sample_with_uniform
 from .base import PositionTest, Prefetch, VerifyInput
-from .divergence import js_divergence
+from .divergence import js_bounds, js_divergence
 
 CRITERIA = ("naive", "js", "majority", "js+majority")
 MAJORITY_RULES = ("strict", "plurality")
@@ -102,10 +102,31 @@ def js_values(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: Sam
     return js_divergence(draft_dist, centroid), js_divergence(probs, centroid), probs, centroid
 
 
+JS_TAIL = 1e-5  # probability below which a token (in every head, the centroid and the draft) is left out:
+# on the embedded pair ~1-4k tokens stay and the bounds decide 52 of 53 recorded JS tests
+JS_MAX_KEPT = 1 / 8  # share of the vocabulary above which the JS test runs on the whole vocabulary
+
+
 def js_accepts(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: SamplingConfig) -> bool:
-    """JS(q || c) <= max_i JS(p_i || c) with c = softmax of the mean head logits (Eqs. 5-6)."""
-    draft_js, radii, _, _ = js_values(head_logits, draft_dist, sampling)
-    return bool(draft_js <= radii.max())
+    """JS(q || c) <= max_i JS(p_i || c) with c = softmax of the mean head logits (Eqs. 5-6).
+
+    First on the tokens where any of the distributions reaches :data:`JS_TAIL`, with the tail's mass
+    bounding what it can add (:func:`~dropmatch.rules.divergence.js_bounds`): on the embedded pair's
+    262k vocabulary ~1-4k tokens stay, and the test costs ~4 ms instead of the full test's ~8-11 ms. Where the bounds do not separate the two sides by more than the
+    float32 noise of the full test, the full test decides, so the decision is the full test's.
+    """
+    probs = sampling.probs(head_logits)
+    centroid = sampling.probs(head_logits[0] + (head_logits - head_logits[0]).mean(dim=0))
+    q = draft_dist.float()
+    keep = (probs.amax(0) >= JS_TAIL) | (centroid >= JS_TAIL) | (q >= JS_TAIL)
+    if int(keep.sum()) <= JS_MAX_KEPT * keep.numel():
+        draft_lo, draft_hi = js_bounds(q.unsqueeze(0), centroid, keep)
+        radius_lo, radius_hi = js_bounds(probs, centroid, keep)
+        if float(draft_hi) + JS_SLACK <= float(radius_lo.max()) - JS_SLACK:
+            return True
+        if float(draft_lo) - JS_SLACK > float(radius_hi.max()) + JS_SLACK:
+            return False
+    return bool(js_divergence(q, centroid) <= js_divergence(probs, centroid).max())
 
 
 def decide(criterion: str, head_logits: torch.Tensor, draft_token: int, draft_dist: torch.Tensor,
@@ -243,9 +264,6 @@ class DropMatch:
         head: the K dropout heads.
         criterion, majority: see the module docstring.
         prefetch: dense path: positions whose rows ride in the verification GEMM / are computed together.
-        screened_clean: whether greedy verification's clean logits may be screened (bfloat16 off the
-            top tokens); ``None``: yes for float32 heads without soft-capping (the screened head's case).
-            Their bound then enters the certified decisions.
         refine_margin: nats beyond twice the error bound within which tokens are made exact for JS.
         escalation: extra margins (nats) tried in turn when a decision is not certified; each makes more
             tokens exact (a gather of their rows), far cheaper than the K-row float32 head pass that
@@ -254,15 +272,12 @@ class DropMatch:
     """
 
     def __init__(self, head: DropoutHead, criterion: str = "js+majority", majority: str = "strict",
-                 prefetch: int = 16, screened_clean: bool | None = None, refine_margin: float = 10.0,
+                 prefetch: int = 16, refine_margin: float = 10.0,
                  escalation: tuple[float, ...] = (0.0, 5.0), max_refined: int = 65536):
         check_criterion_args(criterion, majority)
         self.head, self.criterion, self.majority = head, criterion, majority
         self.prefetch_positions = max(1, prefetch)
         self.name = f"dropmatch-{criterion}"
-        if screened_clean is None:
-            screened_clean = head.weight.dtype == torch.float32 and not head.softcap
-        self.screened_clean = screened_clean
         self.refine_margin, self.escalation, self.max_refined = refine_margin, escalation, max_refined
         self.counters = DropMatchCounters()
 
@@ -283,9 +298,9 @@ class DropMatch:
         return Prefetch(rows, masks)
 
     def _clean_bounds(self, inp: VerifyInput, rows: slice) -> torch.Tensor | None:
-        """Per-token bounds (n, V) on the error of the clean logits at ``rows`` (``None`` when they are
-        exact: sampling's float32 head, or heads computed directly under soft-capping)."""
-        if not (inp.sampling.greedy and self.screened_clean) or self.head.softcap:
+        """Per-token bounds (n, V) on the error of the clean logits at ``rows`` when they are screened
+        (:attr:`VerifyInput.logits_screened`); ``None`` when they are float32 (or unused: soft-capping)."""
+        if not inp.logits_screened or self.head.softcap:
             return None
         return self.head.screened_clean_bounds(inp.hidden[rows], inp.target_logits[rows])
 
