@@ -74,9 +74,36 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor | float) -> torch.T
     return torch.where(chosen_ok, index, fallback)
 
 
+ARGMAX_BLOCKS = (1024, 512, 256, 128, 64)  # block lengths the CPU argmax may split a row into
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``: the first maximum along the last axis, (...,) int64.
+
+    On CPUs over large vocabularies, in two levels of ``amax``: the row's blocks of
+    :data:`ARGMAX_BLOCKS` entries, the first block holding the row maximum, the first entry of it equal to
+    that maximum. torch's CPU argmax runs at ~1/20 of amax's speed (1.3 ms against 0.05 ms for 6 rows of
+    a 262k vocabulary here), and a verify step takes several. Rows with a NaN go to torch's argmax.
+    """
+    vocab = logits.shape[-1] if logits.dim() else 0
+    block = next((b for b in ARGMAX_BLOCKS if vocab % b == 0), 0)
+    if (logits.device.type != "cpu" or not logits.is_floating_point() or vocab < 16 * ARGMAX_BLOCKS[0]
+            or not block or logits.numel() == 0):
+        return logits.argmax(-1)
+    rows = logits.reshape(-1, vocab // block, block)  # (n, blocks, block)
+    block_max = rows.amax(-1)  # (n, blocks)
+    top = block_max.amax(-1, keepdim=True)  # (n, 1)
+    if bool(top.isnan().any()):
+        return logits.argmax(-1)
+    first_block = (block_max == top).to(torch.uint8).argmax(-1)  # (n,): first block with the maximum
+    picked = rows[torch.arange(rows.shape[0]), first_block]  # (n, block)
+    within = (picked == top).to(torch.uint8).argmax(-1)
+    return (first_block * block + within).view(logits.shape[:-1])
+
+
 def choose_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
     """Argmax under greedy decoding, else one sample from the tempered / top-p distribution."""
     if sampling.greedy:
-        return int(logits.argmax())
+        return int(argmax(logits))
     u = torch.rand((), generator=generator)
     return int(sample_with_uniform(sampling.probs(logits), u))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import random
 
 import pytest
@@ -253,3 +254,22 @@ def test_engine_preserves_target_law_with_three_token_drafts(one_thread):
     # ... and this sample size would catch emitting the draft's own law
     draft_law = _exact_law_after_first(pair.draft.model, prompt, vocab, 4, sampling)
     assert _pooled_pvalue((draft_law * n).round(), law) < 1e-6
+
+
+def test_cpu_argmax_is_torch_argmax_with_ties_infinities_and_nans():
+    """The amax-based CPU argmax returns torch's first maximum on every row: ties (rounded values),
+    all -inf rows, +inf, NaN rows (torch's NaN-is-max), and any leading shape."""
+    from dropmatch.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 16 * 1024 + 64 * 3  # blocks of 64
+    x = (torch.randn(7, 3, vocab, generator=g) * 2).round()  # many tied maxima per row
+    x[0, 0] = -math.inf
+    x[1, 1, 17] = math.inf
+    x[1, 1, 3000] = math.inf
+    x[2, 2, 40] = math.nan
+    x[4, 0, vocab - 1] = 99.0  # the last entry
+    for logits in (x, x[3, 0], x.reshape(21, vocab), x[..., : 16 * 1024], torch.zeros(4, 9), x.double(),
+                   torch.zeros(2, 16 * 1024)):
+        assert torch.equal(argmax(logits), logits.argmax(-1))
+    assert bool((x == x.amax(-1, keepdim=True)).sum(-1).gt(1).any())  # ties really occur

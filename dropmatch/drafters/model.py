@@ -6,7 +6,7 @@ import torch
 
 from ..errors import PromptTooLongError
 from ..models import CausalLM, rollback
-from ..sampling import SamplingConfig, sample_with_uniform
+from ..sampling import SamplingConfig, argmax, sample_with_uniform
 from .base import Draft
 
 
@@ -53,7 +53,7 @@ class ModelDrafter:
         for _ in range(n):
             logits = self.model.logits(torch.tensor(feed, device=device), self.cache)
             if sampling.greedy:
-                token, row = int(logits.argmax()), logits
+                token, row = int(argmax(logits)), logits
             else:
                 row = sampling.probs(logits)
                 token = int(sample_with_uniform(row, torch.rand((), generator=generator)))

@@ -40,7 +40,7 @@ import torch
 
 from ..errors import ConfigError
 from ..heads.dropout import DropoutHead
-from ..sampling import SamplingConfig, sample_with_uniform
+from ..sampling import SamplingConfig, argmax, sample_with_uniform
 from .base import PositionTest, Prefetch, VerifyInput
 from .divergence import js_bounds, js_divergence
 
@@ -63,7 +63,7 @@ def head_tokens(head_logits: torch.Tensor, sampling: SamplingConfig, uniforms: t
     """Token of each head (K,): argmax under greedy decoding, else a sample with ``uniforms`` (K,)
     (the pre-vote reading of sampling, kept for analyses; :func:`decide` uses :func:`head_votes`)."""
     if sampling.greedy or uniforms is None:
-        return head_logits.argmax(dim=-1)
+        return argmax(head_logits)
     return sample_with_uniform(sampling.probs(head_logits), uniforms)
 
 
@@ -72,7 +72,7 @@ def head_votes(head_logits: torch.Tensor, draft_token: int, sampling: SamplingCo
     """Whether each head picks ``draft_token`` (K,) bool: its argmax under greedy decoding; under
     sampling, speculative acceptance under the head, p_i(x) > ``vote_threshold`` (= u_j q(x))."""
     if sampling.greedy or vote_threshold is None:
-        return head_logits.argmax(dim=-1) == draft_token
+        return argmax(head_logits) == draft_token
     return sampling.probs(head_logits)[:, draft_token] > vote_threshold
 
 
@@ -139,9 +139,11 @@ def decide(criterion: str, head_logits: torch.Tensor, draft_token: int, draft_di
     """
     if criterion == "js":
         return js_accepts(head_logits, draft_dist, sampling)
-    if sampling.greedy or vote_threshold is not None:
-        votes = head_votes(head_logits, draft_token, sampling, vote_threshold)
-        tokens = head_logits.argmax(dim=-1) if sampling.greedy else None
+    if sampling.greedy:
+        tokens = argmax(head_logits)
+        votes = tokens == draft_token
+    elif vote_threshold is not None:
+        votes, tokens = head_votes(head_logits, draft_token, sampling, vote_threshold), None
     else:
         tokens = head_tokens(head_logits, sampling, uniforms)
         votes = tokens == draft_token

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig, sample_with_uniform
+from ..sampling import SamplingConfig, argmax, sample_with_uniform
 from .base import Criterion, Prefetch, Prefetching, Verdict, VerifyInput
 
 
@@ -33,8 +33,8 @@ def _standard(inp: VerifyInput) -> _Standard:
     n = inp.n_draft
     draft = inp.draft_tokens
     if inp.sampling.greedy:
-        target_tokens = inp.target_logits.argmax(dim=-1).tolist()
-        accepts = draft == inp.target_logits[:n].argmax(dim=-1)
+        tokens = argmax(inp.target_logits)  # (L + 1,)
+        accepts, target_tokens = draft == tokens[:n], tokens.tolist()
         return _Standard(accepts.cpu(), lambda j: target_tokens[j], target_tokens[n])
     uniforms = torch.rand(n + 1, generator=inp.generator)
     p = inp.sampling.probs(inp.target_logits)  # (L + 1, V)
