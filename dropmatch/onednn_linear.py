@@ -63,6 +63,11 @@ class FewRowLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+def memory_key(weight: torch.Tensor) -> tuple:
+    """What identifies the memory a tensor views: equal views (slices made anew on each call) share it."""
+    return (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, str(weight.device))
+
+
 _SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the weight's memory -> its kernel
 
 
@@ -71,7 +76,7 @@ def shared_few_row_linear(weight: torch.Tensor) -> FewRowLinear:
     it, through the same tensor or an equal view (``CausalLM.head_weight`` slices anew on each call),
     shares one oneDNN-reordered copy (671 MB for the embedded pair's LM head), built once. The entry
     lives as long as a caller holds the kernel, which keeps that memory alive."""
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, str(weight.device))
+    key = memory_key(weight)
     kernel = _SHARED.get(key)
     if kernel is None:
         kernel = _SHARED[key] = FewRowLinear(weight.detach())
@@ -128,4 +133,4 @@ def unpack_linears(module: nn.Module) -> None:
             del layer.forward
 
 
-__all__ = ["MAX_ROWS", "FewRowLinear", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears"]
+__all__ = ["MAX_ROWS", "FewRowLinear", "memory_key", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears"]

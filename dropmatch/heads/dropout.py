@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..onednn_linear import shared_few_row_linear
+from ..onednn_linear import memory_key, shared_few_row_linear
 from .screened import bf16_matmul_supported, rounding_bound
 
 SPARSE_MAX_FRACTION = 0.35
@@ -63,7 +63,7 @@ _TRANSPOSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (wei
 def shared_transpose(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight.T`` (d, V) in ``dtype``, contiguous, built once per weight memory and dtype and shared by
     every dropout head on it (671 MB in float32 for the embedded pair) while one of them holds it."""
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, str(weight.device), dtype)
+    key = (*memory_key(weight), dtype)
     transposed = _TRANSPOSED.get(key)
     if transposed is None:
         transposed = _TRANSPOSED[key] = weight.detach().to(dtype).T.contiguous()

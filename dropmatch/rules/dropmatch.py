@@ -94,14 +94,6 @@ def _votes_decide(criterion: str, votes: torch.Tensor, tokens: torch.Tensor | No
     return majority_accepts(tokens, draft_token, majority)
 
 
-def js_values(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: SamplingConfig):
-    """(JS(q || c), JS(p_i || c) (K,), p_i (K, V), c (V,)) with c = softmax of the mean head logits."""
-    # mean of the logits, written so that K identical heads give exactly that head (JS radius 0)
-    centroid = sampling.probs(head_logits[0] + (head_logits - head_logits[0]).mean(dim=0))
-    probs = sampling.probs(head_logits)
-    return js_divergence(draft_dist, centroid), js_divergence(probs, centroid), probs, centroid
-
-
 JS_TAIL = 1e-5  # probability below which a token (in every head, the centroid and the draft) is left out:
 # on the embedded pair ~1-4k tokens stay and the bounds decide 52 of 53 recorded JS tests
 JS_MAX_KEPT = 1 / 8  # share of the vocabulary above which the JS test runs on the whole vocabulary
