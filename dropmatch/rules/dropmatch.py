@@ -104,8 +104,9 @@ def js_accepts(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: Sa
 
     First on the tokens where any of the distributions reaches :data:`JS_TAIL`, with the tail's mass
     bounding what it can add (:func:`~dropmatch.rules.divergence.js_bounds`): on the embedded pair's
-    262k vocabulary ~1-4k tokens stay, and the test costs ~4 ms instead of the full test's ~8-11 ms. Where the bounds do not separate the two sides by more than the
-    float32 noise of the full test, the full test decides, so the decision is the full test's.
+    262k vocabulary ~1-4k tokens stay, and the test costs ~4 ms instead of the full test's ~8-11 ms.
+    Where the bounds do not separate the two sides by more than the float32 noise of the full test,
+    the full test decides, so the decision is the full test's.
     """
     probs = sampling.probs(head_logits)
     centroid = sampling.probs(head_logits[0] + (head_logits - head_logits[0]).mean(dim=0))
