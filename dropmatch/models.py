@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
-from .heads.screened import ScreenedHead, bf16_matmul_supported
+from .heads.screened import ScreenedHead
 from .hub import hub_reachable
 from .kv_cache import use_in_place_layers
-from .onednn_linear import FewRowLinear, pack_linears, shared_few_row_linear
+from .onednn_linear import FewRowLinear, bf16_matmul_supported, pack_linears, shared_few_row_linear
 from .paths import cache_root
 
 log = logging.getLogger(__name__)

@@ -21,6 +21,14 @@ from torch import nn
 MAX_ROWS = 64  # inputs with more rows (prefill) use F.linear
 
 
+def bf16_matmul_supported() -> bool:
+    """Whether this CPU runs bfloat16 GEMMs natively (AVX512-BF16 / AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def onednn_linear_supported() -> bool:
     """Whether this torch has oneDNN's prepacked linear ops (CPU builds with mkldnn)."""
     return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -32,7 +40,8 @@ class FewRowLinear:
     on inputs of at most :data:`MAX_ROWS` rows without autograd, ``F.linear`` otherwise.
 
     Args:
-        weight: (out, in) float32 CPU weight (any other is always computed by ``F.linear``).
+        weight: (out, in) CPU weight, float32 or (where the CPU has native bfloat16 GEMMs) bfloat16; any
+            other is always computed by ``F.linear``. Inputs must have the weight's dtype.
         bias: (out,) or ``None``.
     """
 
@@ -43,12 +52,14 @@ class FewRowLinear:
         self.packed: torch.Tensor | None = None
 
     def supports_weight(self) -> bool:
-        """Whether the weight can take the oneDNN path at all (float32, CPU, oneDNN in this torch)."""
-        return self.weight.dtype == torch.float32 and self.weight.device.type == "cpu" and onednn_linear_supported()
+        """Whether the weight can take the oneDNN path at all (float32 or native bfloat16, CPU, oneDNN
+        in this torch)."""
+        dtype_ok = self.weight.dtype == torch.float32 or (self.weight.dtype == torch.bfloat16 and bf16_matmul_supported())
+        return dtype_ok and self.weight.device.type == "cpu" and onednn_linear_supported()
 
     def applies(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        return (0 < rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == torch.float32
+        return (0 < rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
                 and x.device.type == "cpu" and self.supports_weight())
 
     def prepack(self) -> None:
@@ -133,4 +144,4 @@ def unpack_linears(module: nn.Module) -> None:
             del layer.forward
 
 
-__all__ = ["MAX_ROWS", "FewRowLinear", "memory_key", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears"]
+__all__ = ["MAX_ROWS", "bf16_matmul_supported", "FewRowLinear", "memory_key", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears"]

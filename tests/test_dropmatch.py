@@ -13,7 +13,15 @@ from dropmatch.errors import ConfigError
 from dropmatch.heads.dropout import DropoutHead
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.rules.divergence import js_divergence
-from dropmatch.rules.dropmatch import CRITERIA, DropMatch, decide, js_accepts, majority_accepts
+from dropmatch.rules.dropmatch import (
+    CRITERIA,
+    DropMatch,
+    _bounded_js_verdict,
+    centroid_logits,
+    decide,
+    js_accepts,
+    majority_accepts,
+)
 from dropmatch.sampling import SamplingConfig
 
 from .conftest import make_tiny, random_prompt, screened_heads
@@ -116,6 +124,38 @@ def test_majority_ties():
     assert majority_accepts(torch.tensor([4, 4, 7, 1]), 4, "plurality")  # 2 beats 1 and 1
     assert not majority_accepts(torch.tensor([4, 4, 7, 1]), 4, "strict")
     assert majority_accepts(torch.tensor([3, 3, 3]), 3, "strict")
+
+
+def _full_js_test(heads: torch.Tensor, draft: torch.Tensor, sampling: SamplingConfig) -> bool:
+    probs, centroid = sampling.probs(heads), sampling.probs(heads.mean(0))
+    return bool(js_divergence(draft, centroid) <= js_divergence(probs, centroid).max())
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.7), SamplingConfig(temperature=0.7, top_p=0.9)])
+def test_bounded_js_test_takes_the_full_tests_decisions_on_a_large_vocabulary(sampling):
+    """On a 65k vocabulary with peaked heads (a few hundred likely tokens, a long tail), the JS test
+    from the likely tokens and the tail's mass decides most cases, and always as the full test does,
+    on draft distributions swept from inside the cluster to far outside it (towards another peaked
+    distribution, or towards the uniform one, whose mass lies all in the tail)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, decided, accepted, cases = 65536, 0, 0, 0
+    for trial in range(6):
+        base = 3 * torch.randn(vocab, generator=g)
+        base[torch.randint(0, vocab, (200,), generator=g)] += 12.0
+        heads = base + (0.2 + 0.2 * trial) * torch.randn(5, vocab, generator=g)
+        centre = sampling.probs(centroid_logits(heads))
+        away = sampling.probs(base + 2.0 * torch.randn(vocab, generator=g))
+        flat = torch.full((vocab,), 1.0 / vocab)  # below JS_TAIL on every token: mass only the tail bound sees
+        drafts = [(1 - mix) * centre + mix * other for other in (away, flat)
+                  for mix in torch.linspace(0.0, 0.6, 7).tolist()]
+        for draft in drafts:
+            verdict = _bounded_js_verdict(sampling.probs(heads), sampling.probs(centroid_logits(heads)), draft)
+            full = _full_js_test(heads, draft, sampling)
+            assert js_accepts(heads, draft, sampling) == full
+            assert verdict is None or verdict == full
+            decided, accepted, cases = decided + (verdict is not None), accepted + full, cases + 1
+    assert decided >= 0.6 * cases  # the bounded test is what runs (the flat drafts often need the full one)
+    assert 0 < accepted < cases  # both decisions occur
 
 
 def test_js_by_hand():

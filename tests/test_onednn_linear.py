@@ -12,8 +12,10 @@ from torch import nn
 from dropmatch.onednn_linear import (
     MAX_ROWS,
     PackedForward,
+    bf16_matmul_supported,
     onednn_linear_supported,
     pack_linears,
+    shared_few_row_linear,
     unpack_linears,
 )
 
@@ -77,3 +79,21 @@ def test_dropout_heads_on_one_weight_share_its_reordered_copy():
     x = torch.randn(5, 64)
     with torch.no_grad():
         assert torch.allclose(a._exact_linear(x), x @ w.T, atol=1e-4)
+
+
+@pytest.mark.skipif(not bf16_matmul_supported(), reason="this CPU has no native bfloat16 GEMMs")
+def test_bfloat16_weight_takes_onednn_with_bfloat16_rounding_only(monkeypatch):
+    """A bfloat16 weight (the dense dropout heads' perturbation GEMM) goes through oneDNN on few
+    bfloat16 rows; its outputs are the exact product of the bfloat16 operands up to bfloat16 output
+    rounding (2^-8 relative) and float32 accumulation."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(4096, 640, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 640, generator=g).to(torch.bfloat16)
+    kernel = shared_few_row_linear(weight)
+    seen = _calls(monkeypatch)
+    with torch.inference_mode():
+        out = kernel(x)
+        exact = x.double() @ weight.double().T
+        assert out.dtype == torch.bfloat16 and seen == [5]
+        err = (out.double() - exact).abs()
+        assert bool((err <= 2.0**-8 * exact.abs() + 640 * 2.0**-23 * (x.double().abs() @ weight.double().abs().T)).all())

@@ -1,7 +1,8 @@
 """LM-head numerics: the screened bfloat16 head with an exact argmax, and the K-sample dropout head."""
 
+from ..onednn_linear import bf16_matmul_supported
 from .dropout import DropoutHead, check_dropout_args, default_head_dtype, dropout_inputs, keep_scale
-from .screened import ScreenedHead, bf16_matmul_supported
+from .screened import ScreenedHead
 
 __all__ = ["DropoutHead", "ScreenedHead", "bf16_matmul_supported", "check_dropout_args", "default_head_dtype",
            "dropout_inputs", "keep_scale"]

@@ -20,15 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def bf16_matmul_supported() -> bool:
-    """Whether this CPU runs bfloat16 GEMMs natively (AVX512-BF16 / AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 

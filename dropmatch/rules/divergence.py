@@ -30,24 +30,21 @@ def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (_plogratio(p, p.log(), log_m).sum(dim=-1) + _plogratio(q, q.log(), log_m).sum(dim=-1))
 
 
-def js_bounds(p: torch.Tensor, q: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bounds (lo, hi) on JS(p_i || q) for each row p_i of ``p`` (n, V) against ``q`` (V,), from the
-    tokens of ``keep`` (V,) bool alone: (n,) float64 each.
+def js_bounds(p_kept: torch.Tensor, q_kept: torch.Tensor, p_tail: torch.Tensor,
+              q_tail: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds (lo, hi) on JS(p_i || q) for rows p_i of a distribution ``p`` against ``q`` over a
+    vocabulary, from a subset of its tokens: ``p_kept`` (n, m) and ``q_kept`` (m,) are the probabilities
+    on the subset, ``p_tail`` (n,) and ``q_tail`` the masses off it. (n,) float64 each.
 
     JS = sum_v [H-terms]: with m = (p + q) / 2, JS = sum_v (xlogy(p, p) + xlogy(q, q)) / 2 - xlogy(m, m), and a
-    token's term lies in [0, ln 2 / 2 (p_v + q_v)]. So JS lies in [the sum over ``keep``, that + ln 2 / 2
-    (mass of p_i and q off ``keep``)]. The kept terms are summed in float64; the bounds carry no allowance
-    for float32 noise in p, q.
+    token's term lies in [0, ln 2 / 2 (p_v + q_v)]. So JS lies in [the sum over the subset, that + ln 2 / 2
+    (p_tail + q_tail)]. The kept terms are summed in float64; the bounds carry no allowance for float32
+    noise in the inputs.
     """
-    p, q = p.float(), q.float()
-    tokens = keep.nonzero().squeeze(-1)
-    pk, qk = p.index_select(-1, tokens).double(), q.index_select(-1, tokens).double()
-    q_term = 0.5 * float(xlogy(qk, qk).sum())
+    pk, qk = p_kept.double(), q_kept.double()
     mk = 0.5 * (pk + qk)
-    kept = (0.5 * xlogy(pk, pk) - xlogy(mk, mk)).sum(-1) + q_term
-    off = (~keep).to(p.dtype)
-    tail = torch.mv(p, off).double() + float(torch.dot(q, off))
-    return kept, kept + 0.5 * math.log(2.0) * tail
+    kept = (0.5 * xlogy(pk, pk) - xlogy(mk, mk)).sum(-1) + 0.5 * float(xlogy(qk, qk).sum())
+    return kept, kept + 0.5 * math.log(2.0) * (p_tail.double() + q_tail)
 
 
 def entropy(p: torch.Tensor) -> torch.Tensor:
