@@ -174,7 +174,7 @@ class DropoutHead:
     @property
     def dense_kernel(self) -> FewRowLinear:
         """``x @ weight_c.T`` for the dense path's perturbation rows: oneDNN with a reordered copy of
-        :attr:`weight_c` on CPUs (float32, or bfloat16 where native: ~7 ms for 5 rows of the embedded
+        :attr:`weight_c` on CPUs (float32, or bfloat16 where native: 7-11 ms for 5-6 rows of the embedded
         pair's head against ~19 ms through ``F.linear``), ``F.linear`` elsewhere; shared per weight."""
         if self._dense_kernel is None:
             self._dense_kernel = shared_few_row_linear(self.weight_c)
