@@ -110,9 +110,12 @@ class CausalLM:
         return _module_device(embedding, embedding.weight)
 
     def prepare(self) -> None:
-        """Build what the first verify step would build lazily (the screened bfloat16 head and its weight
-        copy, the oneDNN-reordered float32 head), so that no timed generation pays for it. Idempotent."""
-        self._screened_head(1, exact=False)
+        """Build what the first verify step would build lazily (the screened bfloat16 head, its weight
+        copy and its oneDNN reorder, the oneDNN-reordered float32 head), so that no timed generation pays
+        for it. Idempotent."""
+        screened = self._screened_head(1, exact=False)
+        if screened is not None:
+            screened.kernel.prepack()
         if self.exact_head_kernel is not None:
             self.exact_head_kernel.prepack()
 
