@@ -118,7 +118,7 @@ def _bounded_js_verdict(probs: torch.Tensor, centroid: torch.Tensor, q: torch.Te
     heads, centre, draft = (x.index_select(-1, tokens).double() for x in (probs, centroid, q))
     centre_tail = max(0.0, 1.0 - float(centre.sum()))
     head_tails = (1.0 - heads.sum(-1)).clamp(min=0.0)
-    draft_tail = (q.double().sum() - draft.sum()).clamp(min=0.0).reshape(1)
+    draft_tail = (q.sum(dtype=torch.float64) - draft.sum()).clamp(min=0.0).reshape(1)
     draft_lo, draft_hi = js_bounds(draft.unsqueeze(0), centre, draft_tail, centre_tail)
     radius_lo, radius_hi = js_bounds(heads, centre, head_tails, centre_tail)
     if float(draft_hi) + JS_SLACK <= float(radius_lo.max()) - JS_SLACK:
