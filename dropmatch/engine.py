@@ -19,7 +19,14 @@ import torch
 from .drafters import Draft, Drafter, FeatureDrafter
 from .errors import ConfigError, PromptTooLongError
 from .models import CausalLM, rollback
-from .rules import Prefetching, StandardVerification, Verdict, VerificationRule, VerifyInput
+from .rules import (
+    Prefetching,
+    StandardVerification,
+    Verdict,
+    VerificationRule,
+    VerifyInput,
+    screened_logits_ok,
+)
 from .sampling import SamplingConfig, choose_token
 from .stats import GenerationStats
 
@@ -42,7 +49,7 @@ def verify_step(target: CausalLM, rule: VerificationRule, hidden: torch.Tensor, 
     prefetched rows (if any) ride in the head GEMM, then the rule decides."""
     wants = isinstance(rule, Prefetching) and draft.tokens.numel()
     prefetch = rule.prefetch(hidden, sampling, generator) if wants else None
-    exact = not sampling.greedy
+    exact = not (sampling.greedy and screened_logits_ok(rule))
     logits, products = target.head_with_extra(hidden, prefetch.rows if prefetch else None, exact=exact)
     if prefetch is not None:
         prefetch.products = products

@@ -37,8 +37,10 @@ TINY_PAIR = "tiny"
 TINY_GEMMA_PAIR = "tiny-gemma"
 PAIRS = (GEMMA_PAIR, TINY_PAIR, TINY_GEMMA_PAIR)
 DEVICE_MAP_ENV = "DROPMATCH_DEVICE_MAP"
-SCREEN_MAX_ROWS_WITH_ONEDNN = 2  # screened bf16 head vs oneDNN float32 on the embedded pair (ms):
-# 1 row 28 vs 31, 2 rows 33 vs 37, 6 rows 39 vs 27, 11 rows 46 vs 34
+SCREEN_MAX_ROWS_WITH_ONEDNN = 16  # screened head (bf16 GEMM through oneDNN) vs oneDNN float32 on the
+# embedded pair, 2 cores with AMX (ms): 1 row 14 vs 23, a verify step's 6 rows 16 vs 25 (head + rule, 50
+# recorded GSM8K steps); the bf16 GEMM itself is flat at ~13 ms from 1 to 11 rows. Rules that would
+# pay for screened logits get float32 ones anyway (``screened_logits_ok``, dropmatch.rules.base)
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 
@@ -212,10 +214,10 @@ class CausalLM:
 
         With ``exact=False`` (greedy decoding) and ``fast_head`` on, heads of at most
         :attr:`screen_max_rows` rows go through :class:`~dropmatch.heads.screened.ScreenedHead`: same
-        argmax, float32 values on the likely tokens, bfloat16 accuracy on the rest. Every other head is
-        float32, through :attr:`exact_head_kernel` where it runs (oneDNN: on the embedded pair 27 ms
-        for a verify step's 6 rows against 39 ms screened and ~150 ms by MKL's ``F.linear``; on 1-2 rows
-        the screened head is faster, hence :data:`SCREEN_MAX_ROWS_WITH_ONEDNN`).
+        argmax, float32 values on the likely tokens, bfloat16 accuracy on the rest (on the embedded pair
+        16 ms for a verify step's 6 rows against 25 ms by oneDNN in float32, see
+        :data:`SCREEN_MAX_ROWS_WITH_ONEDNN`). Every other head is float32, through
+        :attr:`exact_head_kernel` where it runs (oneDNN; ~150 ms for 6 rows by MKL's ``F.linear``).
         """
         hidden = hidden.to(self.device)
         screened = self._screened_head(hidden.shape[0], exact)

@@ -246,3 +246,50 @@ def test_gemma2_softcap_head_sd_and_dropout_heads(one_thread):
             sd = generate(target, prompt, drafter=ModelDrafter(draft), draft_len=draft_len, max_new_tokens=24)
             assert sd.token_ids == ar, (seed, draft_len)
         assert any(a < d for a, d in zip(sd.stats.accepted_per_step, sd.stats.drafted_per_step, strict=True))
+
+
+def test_verify_step_screens_only_for_rules_that_take_screened_logits(tiny):
+    """Greedy verify steps hand screened logits only to rules that say they take them; every other rule
+    (rivals reading probabilities, JS on float32 sparse heads) gets the float32 head, bit for bit."""
+    from dropmatch.drafters import Draft
+    from dropmatch.engine import verify_step
+    from dropmatch.heads.dropout import DropoutHead
+    from dropmatch.rules import AnyOf, RelaxedVerification, StandardVerification, TopK
+    from dropmatch.rules.dropmatch import DropMatch
+    from dropmatch.sampling import SamplingConfig
+
+    from .conftest import screened_heads
+
+    class Recording(StandardVerification):
+        def __init__(self, ok: bool):
+            self.screened_logits_ok, self.seen = ok, None
+
+        def verify(self, inp):
+            self.seen = inp
+            return super().verify(inp)
+
+    target = tiny.target
+    hidden = torch.randn(6, target.head_weight.shape[1], generator=torch.Generator().manual_seed(0))
+    draft = Draft(torch.tensor([3, 4, 5, 6, 7]), None)
+    exact = target.head(hidden)
+    with screened_heads(target), torch.inference_mode():
+        screened = target.head(hidden, exact=False)
+        assert not torch.equal(screened, exact)  # the tiny pair's screened head is inexact off the top
+        for ok, sampling in ((True, SamplingConfig()), (False, SamplingConfig()), (True, SamplingConfig(0.8, 1.0))):
+            rule = Recording(ok)
+            verify_step(target, rule, hidden, draft, sampling, torch.Generator().manual_seed(0))
+            takes = ok and sampling.greedy
+            assert rule.seen.logits_screened == takes
+            assert torch.equal(rule.seen.target_logits, screened if takes else exact)
+
+    weight = target.head_weight
+    sparse32 = DropoutHead(weight, 5, 0.03, compute_dtype=torch.float32, sparse=True)
+    assert not RelaxedVerification(DropMatch(sparse32, "js+majority")).screened_logits_ok
+    assert not RelaxedVerification(DropMatch(sparse32, "js")).screened_logits_ok
+    assert RelaxedVerification(DropMatch(sparse32, "naive")).screened_logits_ok
+    assert RelaxedVerification(DropMatch(DropoutHead(weight, 5, 0.3, exact_rows=True), "js+majority")).screened_logits_ok
+    assert RelaxedVerification(DropMatch(DropoutHead(weight, 5, 0.3, sparse=False), "js+majority")).screened_logits_ok
+    assert not RelaxedVerification(DropMatch(sparse32, "naive", screened_clean_logits=False)).screened_logits_ok
+    assert not RelaxedVerification(TopK(3)).screened_logits_ok
+    assert not AnyOf([DropMatch(sparse32, "naive"), TopK(3)]).screened_logits_ok
+    assert AnyOf([DropMatch(sparse32, "naive")]).screened_logits_ok

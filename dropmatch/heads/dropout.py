@@ -25,7 +25,9 @@ that computes them directly:
 **Default on a CPU with oneDNN and a float32 weight:** the sparse path in float32 (exact too: float32
 is the reference precision) while one position's K heads drop few columns in expectation
 (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`; ~9 ms for K = 5 at p_drop = 0.032 on the embedded
-pair), else exact rows. On the verify step's float32 clean logits neither needs an error bound.
+pair), else exact rows. Exact rows never read the clean logits; the sparse heads are exact on float32
+clean logits, which JS criteria ask for, and certified on screened ones (argmax votes, see
+``DropMatch.screened_logits_ok``).
 
 Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
 dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d

@@ -11,7 +11,16 @@
 Nothing here imports models, drafters, the engine or tasks (``tests/test_layout.py`` checks it).
 """
 
-from .base import Criterion, PositionTest, Prefetch, Prefetching, Verdict, VerificationRule, VerifyInput
+from .base import (
+    Criterion,
+    PositionTest,
+    Prefetch,
+    Prefetching,
+    Verdict,
+    VerificationRule,
+    VerifyInput,
+    screened_logits_ok,
+)
 from .combine import AnyOf
 from .dropmatch import CRITERIA, MAJORITY_RULES, DropMatch
 from .ensemble import StaticEnsembleVerification
@@ -23,4 +32,5 @@ __all__ = [
     "CRITERIA", "MAJORITY_RULES", "AnyOf", "Criterion", "DivergenceThreshold", "DropMatch", "FLyVerification",
     "PositionTest", "Prefetch", "Prefetching", "RelaxedVerification", "StandardVerification",
     "StaticEnsembleVerification", "TopK", "TypicalAcceptance", "Verdict", "VerificationRule", "VerifyInput",
+    "screened_logits_ok",
 ]

@@ -9,6 +9,12 @@ Glossary (one verify step with L draft tokens; vLLM's terms):
 * ``Verdict.next_token`` is the recovered or the bonus token, whichever the step ends with.
 
 Rules are pure tensor code: this package imports no model, engine or task code.
+
+**Screened logits.** Under greedy decoding the engine may compute the verify step's target logits with
+a screened head (exact argmax, float32 values near the top, bounded bfloat16 error elsewhere; faster on
+CPUs with native bfloat16), but only for a rule whose ``screened_logits_ok`` is true (see
+:func:`screened_logits_ok`): the rule then decides on them exactly as on float32 logits. Every other
+rule gets float32 logits.
 """
 
 from __future__ import annotations
@@ -115,6 +121,12 @@ class Criterion(Protocol):
     name: str
 
     def prepare(self, inp: VerifyInput) -> PositionTest: ...
+
+
+def screened_logits_ok(rule: object) -> bool:
+    """Whether ``rule`` (a rule or a criterion) takes screened target logits under greedy decoding
+    (attribute ``screened_logits_ok``; absent: no, it gets float32 logits)."""
+    return bool(getattr(rule, "screened_logits_ok", False))
 
 
 @runtime_checkable

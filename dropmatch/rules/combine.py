@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from ..sampling import SamplingConfig
-from .base import Criterion, PositionTest, Prefetch, Prefetching, VerifyInput
+from .base import Criterion, PositionTest, Prefetch, Prefetching, VerifyInput, screened_logits_ok
 
 
 class AnyOf:
@@ -18,6 +18,10 @@ class AnyOf:
     def __init__(self, criteria: Sequence[Criterion]):
         self.criteria = list(criteria)
         self.name = "+".join(c.name for c in self.criteria)
+
+    @property
+    def screened_logits_ok(self) -> bool:
+        return all(screened_logits_ok(c) for c in self.criteria)
 
     def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch | None:
         for i, c in enumerate(self.criteria):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import SamplingConfig, argmax, sample_with_uniform
-from .base import Criterion, Prefetch, Prefetching, Verdict, VerifyInput
+from .base import Criterion, Prefetch, Prefetching, Verdict, VerifyInput, screened_logits_ok
 
 
 @dataclass
@@ -56,6 +56,7 @@ class StandardVerification:
     """Lossless verification: greedy exact match, or speculative sampling when temperature > 0."""
 
     name = "standard"
+    screened_logits_ok = True  # greedy: the argmax only, which screened logits give exactly
 
     def verify(self, inp: VerifyInput) -> Verdict:
         std = _standard(inp)
@@ -81,6 +82,11 @@ class RelaxedVerification:
         self.criterion = criterion
         self.keep_standard_accepts = keep_standard_accepts
         self.name = criterion.name + ("" if keep_standard_accepts else "-literal")
+
+    @property
+    def screened_logits_ok(self) -> bool:
+        """The criterion's say (the standard part needs the argmax only)."""
+        return screened_logits_ok(self.criterion)
 
     def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch | None:
         if isinstance(self.criterion, Prefetching):
