@@ -45,6 +45,7 @@ from .base import PositionTest, Prefetch, VerifyInput
 from .divergence import js_bounds, js_divergence
 
 CRITERIA = ("naive", "js", "majority", "js+majority")
+JS_CRITERIA = ("js", "js+majority")  # the criteria that compare distributions, not only argmaxes
 MAJORITY_RULES = ("strict", "plurality")
 
 
@@ -215,7 +216,7 @@ def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exa
             return None  # top-p truncation is not continuous in the logits
         heads, err = heads / sampling.temperature, err / sampling.temperature
         sampling = SamplingConfig()  # the tempered softmax is the plain softmax of scaled logits
-    need_js = criterion in ("js", "js+majority")
+    need_js = criterion in JS_CRITERIA
     probs = torch.softmax(heads, dim=-1) if (need_js or vote_threshold is not None) else None
     if criterion != "js":
         if vote_threshold is None:  # argmax votes: certified if the top is exact and out of reach
@@ -314,8 +315,7 @@ class DropMatch:
         0.032, K = 5: 32 ms a step on float32 clean logits against 39 ms on screened ones)."""
         if self.screened_clean_logits is not None:
             return self.screened_clean_logits
-        js = self.criterion in ("js", "js+majority")
-        return not (js and self.head.sparse and self.head.compute_dtype == torch.float32)
+        return not (self.criterion in JS_CRITERIA and self.head.sparse and self.head.compute_dtype == torch.float32)
 
     def draw(self, inp: VerifyInput) -> torch.Tensor:
         """Masks (L, K, d) of the step (prefetched, or drawn now from the step generator)."""
@@ -403,7 +403,7 @@ class DropMatch:
                    extra_margin: float = 0.0) -> bool | None:
         """Make the tokens near each head's top exact (within the refine margin + ``extra_margin``
         nats), then :func:`certified_decide` (None: undecided)."""
-        needs_mass = self.criterion in ("js", "js+majority") or threshold is not None
+        needs_mass = self.criterion in JS_CRITERIA or threshold is not None
         if extra_margin and not needs_mass:
             return None  # argmax votes: a wider exact set does not help
         margin = 2 * float(eps.max()) + (self.refine_margin if needs_mass else 0.5) + extra_margin
