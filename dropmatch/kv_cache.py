@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 _MIN_CAPACITY = 256  # positions allocated at first use, beyond what the first update needs
 
 
-class _Buffer:
+class KVBuffer:
     """Keys and values with spare capacity along the position axis."""
 
     def __init__(self) -> None:
@@ -53,12 +53,12 @@ class _Buffer:
 
 
 class _InPlace:
-    """The in-place part shared by both layers: states in a :class:`_Buffer`; ``_show(new)`` sets the
+    """The in-place part shared by both layers: states in a :class:`KVBuffer`; ``_show(new)`` sets the
     views attention reads after ``new`` positions were appended (0 after a rollback)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self.buffer = _Buffer()
+        self.buffer = KVBuffer()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -77,7 +77,7 @@ class _InPlace:
 
 
 class InPlaceLayer(_InPlace, DynamicLayer):
-    """A full-attention layer: ``DynamicLayer``'s interface, states in a :class:`_Buffer`."""
+    """A full-attention layer: ``DynamicLayer``'s interface, states in a :class:`KVBuffer`."""
 
     def _show(self, new: int) -> None:
         self.keys, self.values = self.buffer.view()

@@ -23,6 +23,7 @@ from dropmatch.drafters.eagle3 import (
 from dropmatch.engine import generate
 from dropmatch.errors import ConfigError, ModelNotFoundError
 from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.models import CausalLM
 from dropmatch.sampling import SamplingConfig
 
 from .conftest import make_tiny
@@ -181,13 +182,12 @@ class OracleDrafter(Eagle3Drafter):
         super().__init__(head, target)
         self.prompt_len, self.greedy = prompt_len, greedy
 
-    def _draft_row(self, state, depth):
-        row = super()._draft_row(state, depth)
+    def _choose(self, draft_logits, depth, sampling, generator):
+        token, row = super()._choose(draft_logits, depth, sampling, generator)
         index = self._rows + 1 + depth - self.prompt_len  # output index of the token being drafted
         if (self._rows + depth) % 4 != 3 and index < len(self.greedy):
-            row = row.clone()
-            row[self.greedy[index]] = row.max() + 1
-        return row
+            token = self.greedy[index]
+        return token, row
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -212,6 +212,26 @@ def test_greedy_sd_with_eagle3_equals_ar(arch):
         torch.testing.assert_close(drafter.cache.k, fresh.k, atol=1e-4, rtol=1e-3)
     plain = generate(target, prompt, drafter=Eagle3Drafter(head, target), draft_len=4, max_new_tokens=30)
     assert plain.token_ids == ar
+
+
+def test_draft_ids_past_the_target_vocabulary_are_never_drafted():
+    """A target that uses fewer logit rows (60) than the head's draft vocabulary covers (all 64 ids):
+    proposals are the argmax of the draft rows inside the target vocabulary, and SD still equals AR."""
+    pair = make_tiny("llama", seed=4, vocab_size=64)
+    target = CausalLM(pair.target.model, vocab_size=60)
+    head = random_head(pair.target, 64, seed=3)
+    drafter = Eagle3Drafter(head, target)
+    prompt = torch.randint(3, 60, (9,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, _, features = target.new_cache_with_features(prompt, drafter.feature_layers, rollback=True)
+        drafter.start(prompt, features)
+        draft = drafter.propose(7, 4, SamplingConfig(), torch.Generator().manual_seed(0))
+        state = Eagle3Drafter(head, target)._forward(prompt[1:].tolist() + [7], features, 0)  # the root, anew
+    assert draft.logits.shape == (4, 60)
+    assert draft.tokens.tolist() == draft.logits.argmax(-1).tolist()
+    torch.testing.assert_close(draft.logits[0], head.logits(state[0, 0])[:60])
+    ar = generate(target, prompt, max_new_tokens=20).token_ids
+    assert generate(target, prompt, drafter=Eagle3Drafter(head, target), draft_len=4, max_new_tokens=20).token_ids == ar
 
 
 def _exact_t4_marginal(target, prompt, vocab, sampling):
