@@ -271,8 +271,8 @@ def test_verify_step_screens_only_for_rules_that_take_screened_logits(tiny):
     target = tiny.target
     hidden = torch.randn(6, target.head_weight.shape[1], generator=torch.Generator().manual_seed(0))
     draft = Draft(torch.tensor([3, 4, 5, 6, 7]), None)
-    exact = target.head(hidden)
-    with screened_heads(target), torch.inference_mode():
+    with screened_heads(target), torch.inference_mode():  # both heads as verify steps run them (no autograd)
+        exact = target.head(hidden)
         screened = target.head(hidden, exact=False)
         assert not torch.equal(screened, exact)  # the tiny pair's screened head is inexact off the top
         for ok, sampling in ((True, SamplingConfig()), (False, SamplingConfig()), (True, SamplingConfig(0.8, 1.0))):

@@ -433,7 +433,8 @@ class Eagle3Drafter:
         self._keep = None if bool(keep.all()) else keep.nonzero().squeeze(-1)  # None: every draft id
         self._ids = ids if self._keep is None else ids[self._keep]
         self.cache = Eagle3Cache()
-        pack_linears(head)  # float32 CPU heads: one-row GEMMs through oneDNN (22 -> 14 ms a 5-token proposal)
+        pack_linears(head)  # float32 CPU heads: one-row GEMMs through oneDNN (22 -> 14 ms a 5-token proposal);
+        # the reordered weights are copies: call onednn_linear.unpack_linears(head) before training it further
         self._feats: torch.Tensor | None = None
         self._tokens: list[int] = []
         self._proposed: list[int] = []
