@@ -429,9 +429,9 @@ class Eagle3Drafter:
         self.embed = target.model.get_input_embeddings()
         self.vocab = target.vocab_size
         ids = head.draft_to_target
-        keep = ids < self.vocab  # draft ids past a padded target vocabulary never get drafted
-        self._keep = None if bool(keep.all()) else keep.nonzero().squeeze(-1)  # None: every draft id
-        self._ids = ids if self._keep is None else ids[self._keep]
+        # draft ids past a padded target vocabulary never get drafted: positions (N',) of the others
+        self._keep = (ids < self.vocab).nonzero().squeeze(-1)
+        self._ids = ids[self._keep]
         self.cache = Eagle3Cache()
         pack_linears(head)  # float32 CPU heads: one-row GEMMs through oneDNN (22 -> 14 ms a 5-token proposal);
         # the reordered weights are copies: call onednn_linear.unpack_linears(head) before training it further
@@ -459,8 +459,7 @@ class Eagle3Drafter:
     def _draft_logits(self, state: torch.Tensor) -> torch.Tensor:
         """Logits (N',) of the draft ids inside the target vocabulary (``self._ids``), from an output
         state (1, 1, d)."""
-        logits = self.head.logits(state[0, 0])
-        return logits if self._keep is None else logits.index_select(0, self._keep)
+        return self.head.logits(state[0, 0]).index_select(0, self._keep)
 
     def _in_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft logits (n, N') placed at their target ids (n, V), -inf elsewhere."""
