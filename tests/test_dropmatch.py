@@ -17,6 +17,7 @@ from dropmatch.rules.dropmatch import (
     CRITERIA,
     DropMatch,
     _bounded_js_verdict,
+    _tempered_logits,
     centroid_logits,
     decide,
     js_accepts,
@@ -149,7 +150,7 @@ def test_bounded_js_test_takes_the_full_tests_decisions_on_a_large_vocabulary(sa
         drafts = [(1 - mix) * centre + mix * other for other in (away, flat)
                   for mix in torch.linspace(0.0, 0.6, 7).tolist()]
         for draft in drafts:
-            verdict = _bounded_js_verdict(sampling.probs(heads), sampling.probs(centroid_logits(heads)), draft)
+            verdict = _bounded_js_verdict(*_tempered_logits(heads, sampling), draft)
             full = _full_js_test(heads, draft, sampling)
             assert js_accepts(heads, draft, sampling) == full
             assert verdict is None or verdict == full

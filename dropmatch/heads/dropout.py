@@ -241,7 +241,7 @@ class DropoutHead:
     def sparse_logits(self, clean_logits: torch.Tensor, corrections: torch.Tensor) -> torch.Tensor:
         """Head logits (n, K, V): ``(W h - W[:, D] h_D) / (1 - p)`` from clean logits (n, V), corrections (n, K, V)
         (float32, overwritten: the same arithmetic in place, one K x V buffer fewer)."""
-        return corrections.neg_().add_(clean_logits.float().unsqueeze(1)).div_(1.0 - self.p_drop)
+        return torch.sub(clean_logits.float().unsqueeze(1), corrections, out=corrections).div_(1.0 - self.p_drop)
 
     # -- heads -----------------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,
@@ -319,7 +319,7 @@ class DropoutHead:
             clean_logits, head_logits: (n, V) and (n, K, V), the inputs and outputs of :meth:`logits`.
             fused: whether the dense products came from the verification GEMM (dense path).
         """
-        if self.softcap:  # computed directly in the weight's precision
+        if self.softcap or self.compute_dtype in (torch.float32, torch.float64):  # exact: weight precision or float32
             return torch.zeros(head_logits.shape[:2], device=hidden.device)
         h = hidden.float().unsqueeze(1)
         clean_mag = clean_logits.float().abs().amax(-1, keepdim=True)  # (n, 1)

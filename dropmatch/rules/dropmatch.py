@@ -101,22 +101,40 @@ JS_MAX_KEPT = 1 / 8  # share of the vocabulary above which the JS test runs on t
 
 
 def centroid_logits(head_logits: torch.Tensor) -> torch.Tensor:
-    """Mean of the K head logits (K, V) -> (V,), as l_0 + mean_i (l_i - l_0) (the heads differ little)."""
-    return head_logits[0] + (head_logits - head_logits[0]).mean(dim=0)
+    """Mean of the K head logits (K, V) -> (V,), in float32 (one read of the heads; every path, dense,
+    sparse, certified or exact, takes its centroid here, so they agree on it)."""
+    return head_logits.mean(dim=0)
 
 
-def _bounded_js_verdict(probs: torch.Tensor, centroid: torch.Tensor, q: torch.Tensor) -> bool | None:
+def _log_normalizers(logits: torch.Tensor) -> torch.Tensor:
+    """ln sum_v exp(logits) along the last axis, float64 (...,): the maximum (exact) plus the log of the
+    float32 sum of the shifted exponentials, added in float64 (a float32 ln Z of ~20 nats would carry
+    ~2e-6 of rounding, more than :data:`JS_SLACK`). One pass over the logits, no probabilities kept."""
+    top = logits.amax(-1, keepdim=True)
+    shifted = (logits - top).exp_().sum(-1)
+    return top.squeeze(-1).double() + shifted.double().log()
+
+
+def _bounded_js_verdict(logits: torch.Tensor, centroid: torch.Tensor, q: torch.Tensor) -> bool | None:
     """The JS test from the tokens where a distribution reaches :data:`JS_TAIL`, or ``None`` if the
-    bounds do not decide it (see :func:`js_accepts`): ``probs`` (K, V) the heads' distributions,
-    ``centroid`` and ``q`` (V,) the centroid's and the draft's. The masses off the kept tokens are one
-    minus the kept mass (float32 normalization noise ~1e-7, well inside :data:`JS_SLACK`), so the
-    vocabulary is read once more only to pick the tokens.
+    bounds do not decide it (see :func:`js_accepts`): ``logits`` (K, V) the heads' (tempered) logits,
+    ``centroid`` (V,) the centroid's, ``q`` (V,) the draft distribution. The heads' probabilities are
+    formed on the kept tokens only, from the log-normalizers; the masses off them are one minus the kept
+    mass (float32 noise ~1e-7, well inside :data:`JS_SLACK`), so the vocabulary is read a few times
+    (normalizers, the token pick) and no (K, V) probabilities are written.
     """
-    keep = (probs.amax(0) >= JS_TAIL) | (centroid >= JS_TAIL) | (q >= JS_TAIL)
+    log_z, log_zc = _log_normalizers(logits), _log_normalizers(centroid)
+    cut = math.log(JS_TAIL)
+    # a superset of the tokens where a head reaches JS_TAIL (the lowest head threshold on the heads'
+    # maximum: one read of the logits, where a (K, V) comparison and its any() cost ~10x more)
+    head_max = logits.amax(0) if logits.shape[0] > 1 else logits[0]
+    keep = (head_max >= float((log_z + cut).min())) | (centroid >= float(log_zc + cut)) | (q >= JS_TAIL)
     tokens = keep.nonzero().squeeze(-1)
     if tokens.numel() > JS_MAX_KEPT * keep.numel():
         return None
-    heads, centre, draft = (x.index_select(-1, tokens).double() for x in (probs, centroid, q))
+    heads = (logits.index_select(-1, tokens).double() - log_z.unsqueeze(-1)).exp()
+    centre = (centroid.index_select(-1, tokens).double() - log_zc).exp()
+    draft = q.index_select(-1, tokens).double()
     centre_tail = max(0.0, 1.0 - float(centre.sum()))
     head_tails = (1.0 - heads.sum(-1)).clamp(min=0.0)
     draft_tail = (q.sum(dtype=torch.float64) - draft.sum()).clamp(min=0.0).reshape(1)
@@ -129,6 +147,17 @@ def _bounded_js_verdict(probs: torch.Tensor, centroid: torch.Tensor, q: torch.Te
     return None
 
 
+def _tempered_logits(head_logits: torch.Tensor, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The heads' and the centroid's logits (K, V), (V,) whose softmaxes are the distributions of the
+    JS test: untempered under greedy decoding, divided by the temperature under sampling, and the log of
+    the top-p distributions under top-p sampling (-inf off the nucleus)."""
+    if sampling.greedy:
+        return head_logits.float(), centroid_logits(head_logits.float())
+    if sampling.top_p < 1:
+        return sampling.probs(head_logits).log(), sampling.probs(centroid_logits(head_logits)).log()
+    return head_logits.float() / sampling.temperature, centroid_logits(head_logits.float()) / sampling.temperature
+
+
 def js_accepts(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: SamplingConfig) -> bool:
     """JS(q || c) <= max_i JS(p_i || c) with c = softmax of the mean head logits (Eqs. 5-6).
 
@@ -138,13 +167,13 @@ def js_accepts(head_logits: torch.Tensor, draft_dist: torch.Tensor, sampling: Sa
     sides by more than the float32 noise of the full test, the full test decides, so the decision is
     the full test's.
     """
-    probs = sampling.probs(head_logits)
-    centroid = sampling.probs(centroid_logits(head_logits))
+    logits, centroid = _tempered_logits(head_logits, sampling)
     q = draft_dist.float()
-    verdict = _bounded_js_verdict(probs, centroid, q)
+    verdict = _bounded_js_verdict(logits, centroid, q)
     if verdict is not None:
         return verdict
-    return bool(js_divergence(q, centroid) <= js_divergence(probs, centroid).max())
+    probs, centre = torch.softmax(logits, dim=-1), torch.softmax(centroid, dim=-1)
+    return bool(js_divergence(q, centre) <= js_divergence(probs, centre).max())
 
 
 def decide(criterion: str, head_logits: torch.Tensor, draft_token: int, draft_dist: torch.Tensor,
