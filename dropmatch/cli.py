@@ -25,6 +25,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "else a draft model id or directory (with --target)")
     group.add_argument("--draft-head", help="with --draft eagle3: an EAGLE-3 head directory or hub id (default: the "
                        "committed head of the embedded pair)")
+    group.add_argument("--draft-stop", type=float, help="with --draft eagle3: end a proposal after a draft token "
+                       "of probability below this (a dynamic draft length; default: always --draft-len tokens)")
     group.add_argument("--dtype", help="float32, bfloat16 or float16 for hub models")
     group.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
     group.add_argument("--device-map", help="'auto': spread a hub target over the GPUs present (e.g. a 70B), the "
@@ -69,7 +71,8 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
 def method_config(args: argparse.Namespace) -> MethodConfig:
     return MethodConfig(
         method=args.method, draft=args.draft if args.draft in ("ngram", "eagle3") else "model",
-        draft_head=getattr(args, "draft_head", None), draft_len=args.draft_len,
+        draft_head=getattr(args, "draft_head", None), draft_stop=getattr(args, "draft_stop", None),
+        draft_len=args.draft_len,
         k=args.k, p_drop=args.p_drop, criterion=args.criterion, majority=args.majority, literal=args.literal,
         head_dtype=args.head_dtype, topk=args.topk, typical_eps=args.typical_eps,
         typical_delta=args.typical_delta, divergence=args.divergence,

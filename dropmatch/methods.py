@@ -56,6 +56,10 @@ LABEL_SHOWN: dict[str, tuple[str, ...]] = {
 }
 
 
+EAGLE3_FIELDS = ("draft_head", "draft_stop")  # fields that only the EAGLE-3 drafter reads
+KEY_NEUTRAL = {"draft_stop": None}  # fields left out of MethodConfig.to_dict at these values
+
+
 @dataclass
 class MethodConfig:
     """Everything that names a decoding method. Parameters of other methods are ignored."""
@@ -86,6 +90,8 @@ class MethodConfig:
     ngram_max: int = 3
     # EAGLE-3 drafter: a head directory or hub id (None: the committed head of the embedded pair)
     draft_head: str | None = None
+    # EAGLE-3 drafter: end a proposal after a draft token below this probability (None: always L tokens)
+    draft_stop: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,6 +101,8 @@ class MethodConfig:
             raise ConfigError(f"unknown drafter {self.draft!r}; choose one of {', '.join(DRAFTERS)}")
         if self.draft_len < 1:
             raise ConfigError(f"draft length must be >= 1, got {self.draft_len}")
+        if self.draft_stop is not None and not 0.0 < self.draft_stop < 1.0:
+            raise ConfigError(f"--draft-stop must be a probability in (0, 1), got {self.draft_stop}")
         if self.method.startswith("judge") and not self.judge_path:
             raise ConfigError("--method judge needs --judge PATH (train one with `python -m dropmatch judge train`)")
         if "dropmatch" in self.method:
@@ -134,7 +142,7 @@ class MethodConfig:
                 continue
             if f.name in FIELD_METHODS and self.method not in FIELD_METHODS[f.name]:
                 continue
-            if (f.name == "ngram_max" and self.draft != "ngram") or (f.name == "draft_head" and self.draft != "eagle3"):
+            if (f.name == "ngram_max" and self.draft != "ngram") or (f.name in EAGLE3_FIELDS and self.draft != "eagle3"):
                 continue
             if f.name == "draft_head" and value is not None:
                 value = Path(value).name
@@ -149,7 +157,10 @@ class MethodConfig:
         return f"[{','.join(extras)}]" if extras else ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """All fields, except those added later at their default (``KEY_NEUTRAL``), so that the results of
+        configurations that do not use them keep their keys (resumable caches stay valid)."""
+        raw = asdict(self)
+        return {k: v for k, v in raw.items() if not (k in KEY_NEUTRAL and v == KEY_NEUTRAL[k])}
 
 
 def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None = None) -> DropoutHead:
@@ -194,7 +205,7 @@ def build_drafter(pair: ModelPair, config: MethodConfig) -> Drafter | None:
     if config.draft == "ngram":
         return NgramDrafter(max_ngram=config.ngram_max)
     if config.draft == "eagle3":
-        return _eagle3_drafter(pair, config.draft_head)
+        return _eagle3_drafter(pair, config.draft_head, config.draft_stop)
     if pair.draft is None:
         raise ConfigError("this method needs a draft model: load the pair with a draft, or use --draft ngram")
     return ModelDrafter(pair.draft)
@@ -203,7 +214,7 @@ def build_drafter(pair: ModelPair, config: MethodConfig) -> Drafter | None:
 _EAGLE3_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {source: head}
 
 
-def _eagle3_drafter(pair: ModelPair, source: str | None) -> Drafter:
+def _eagle3_drafter(pair: ModelPair, source: str | None, stop_below: float | None = None) -> Drafter:
     """An EAGLE-3 drafter for ``pair.target``; heads are loaded once per (source, target)."""
     from .drafters.eagle3 import Eagle3Drafter, committed_head, load_head
 
@@ -215,7 +226,7 @@ def _eagle3_drafter(pair: ModelPair, source: str | None) -> Drafter:
     heads = _EAGLE3_HEADS.setdefault(pair.target, {})
     if str(source) not in heads:
         heads[str(source)] = load_head(source, pair.target)
-    return Eagle3Drafter(heads[str(source)], pair.target)
+    return Eagle3Drafter(heads[str(source)], pair.target, stop_below)
 
 
 class Decoder:

@@ -212,6 +212,11 @@ def test_greedy_sd_with_eagle3_equals_ar(arch):
         torch.testing.assert_close(drafter.cache.k, fresh.k, atol=1e-4, rtol=1e-3)
     plain = generate(target, prompt, drafter=Eagle3Drafter(head, target), draft_len=4, max_new_tokens=30)
     assert plain.token_ids == ar
+    stopping = generate(target, prompt, drafter=Eagle3Drafter(head, target, stop_below=0.1), draft_len=4,
+                        max_new_tokens=30)
+    assert stopping.token_ids == ar
+    lengths = stopping.stats.drafted_per_step[:-4]  # the last steps are cut by the token budget
+    assert 4 in lengths and min(lengths) < 4  # the proposals did stop early, and not always
 
 
 def test_draft_ids_past_the_target_vocabulary_are_never_drafted():
@@ -246,7 +251,9 @@ def _exact_t4_marginal(target, prompt, vocab, sampling):
 
 
 def test_speculative_sampling_with_eagle3_preserves_target_distribution():
-    """Tokens 2-3 (joint) and 4 of SD runs at L = 3 (draft vocabulary 6 of 10) match plain sampling."""
+    """Tokens 2-3 (joint) and 4 of SD runs at L = 3 (draft vocabulary 6 of 10) match plain sampling;
+    every other run's proposals stop after a draft token of probability below 0.3 (a biased stop
+    would bias the pooled counts)."""
     vocab = 10
     pair = make_tiny("llama", seed=5, vocab_size=vocab)
     target = pair.target
@@ -256,14 +263,16 @@ def test_speculative_sampling_with_eagle3_preserves_target_distribution():
     joint = _exact_joint(target, prompt, vocab, sampling).flatten()
     t4 = _exact_t4_marginal(target, prompt, vocab, sampling)
     counts, counts4 = torch.zeros(vocab * vocab), torch.zeros(vocab)
-    drafted = 0
+    drafted = stopped = 0
     for seed in range(3000):
-        out = generate(target, prompt, drafter=Eagle3Drafter(head, target), draft_len=3, max_new_tokens=5,
-                       sampling=sampling, seed=seed)
+        stop_below = 0.3 if seed % 2 else None
+        out = generate(target, prompt, drafter=Eagle3Drafter(head, target, stop_below), draft_len=3,
+                       max_new_tokens=5, sampling=sampling, seed=seed)
         counts[out.token_ids[1] * vocab + out.token_ids[2]] += 1
         counts4[out.token_ids[3]] += 1
         drafted += max(out.stats.drafted_per_step, default=0) == 3
-    assert drafted > 0
+        stopped += stop_below is not None and out.stats.drafted_per_step[0] < 3
+    assert drafted > 0 and stopped > 0
     for observed, expected in ((counts, joint), (counts4, t4)):
         keep = expected * observed.sum() >= 5
         assert observed[expected == 0].sum() == 0  # no token of zero probability is ever emitted
@@ -280,6 +289,7 @@ def test_methods_with_eagle3(pair, tmp_path):
     prompt = list(range(3, 20))
     ar = Decoder(pair, MethodConfig("ar")).generate(prompt, max_new_tokens=16).token_ids
     for config in (MethodConfig("sd", draft="eagle3", draft_head=str(tmp_path)),
+                   MethodConfig("sd", draft="eagle3", draft_head=str(tmp_path), draft_stop=0.1),
                    MethodConfig("dropmatch", draft="eagle3", criterion="naive", draft_head=str(tmp_path)),
                    MethodConfig("dropmatch", draft="eagle3", criterion="js+majority", draft_head=str(tmp_path))):
         assert "+eagle3" in config.label
@@ -289,6 +299,18 @@ def test_methods_with_eagle3(pair, tmp_path):
             assert out.token_ids == ar
     with pytest.raises(ConfigError, match="EAGLE-3 head"):
         Decoder(pair, MethodConfig("sd", draft="eagle3"))  # no committed head for a tiny pair
+
+
+def test_draft_stop_is_named_keyed_and_checked():
+    """The dynamic draft length shows in the label and the result key; without it, configurations keep
+    the keys they had before the option existed; a value that is not a probability is refused."""
+    fixed, stopping = MethodConfig("sd", draft="eagle3"), MethodConfig("sd", draft="eagle3", draft_stop=0.4)
+    assert stopping.label == "sd+eagle3[draft_stop=0.4]@L5" and fixed.label == "sd+eagle3@L5"
+    assert "draft_stop" not in fixed.to_dict() and stopping.to_dict()["draft_stop"] == 0.4
+    assert MethodConfig(**stopping.to_dict()) == stopping and MethodConfig(**fixed.to_dict()) == fixed
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ConfigError, match="draft-stop"):
+            MethodConfig("sd", draft="eagle3", draft_stop=bad)
 
 
 @pytest.mark.gemma

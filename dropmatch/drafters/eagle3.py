@@ -420,8 +420,14 @@ class Eagle3Drafter:
 
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, target: CausalLM):
-        self.head, self.target = head, target
+    def __init__(self, head: Eagle3Head, target: CausalLM, stop_below: float | None = None):
+        """``stop_below``: end a proposal after a token whose draft probability is below this (a dynamic
+        draft length, like the confidence threshold of HF's assisted decoding); ``None``: always the
+        ``n`` tokens asked for (the paper's fixed L). The stop depends on the draft alone, so greedy SD
+        still equals AR and speculative sampling stays lossless."""
+        if stop_below is not None and not 0.0 < stop_below < 1.0:
+            raise ConfigError(f"stop_below must be in (0, 1) or None, got {stop_below!r}")
+        self.head, self.target, self.stop_below = head, target, stop_below
         num_layers = int(getattr(target.model.config, "num_hidden_layers", 0)) or len(target.trunk.layers)
         self.feature_layers: tuple[int, ...] = head.config.feature_layers or default_feature_layers(num_layers)
         if max(self.feature_layers) > num_layers:
@@ -477,6 +483,13 @@ class Eagle3Drafter:
         probs = sampling.probs(self._in_target_vocab(draft_logits[None])[0])
         return int(sample_with_uniform(probs, torch.rand((), generator=generator))), probs
 
+    def _confidence(self, row: torch.Tensor, token: int, sampling: SamplingConfig) -> float:
+        """The draft probability of the chosen ``token``, from what :meth:`_choose` kept: greedy, the draft
+        logits (N',) (the top token's softmax probability); sampling, the probabilities (V,)."""
+        if sampling.greedy:
+            return float(torch.exp(row.max() - torch.logsumexp(row, dim=0)))
+        return float(row[token])
+
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         tokens = self._tokens + [last_token]
         assert self._feats is not None and self._feats.shape[0] == len(tokens), "start/commit out of step"
@@ -491,6 +504,8 @@ class Eagle3Drafter:
             token, row = self._choose(self._draft_logits(state), i, sampling, generator)
             rows.append(row)
             proposed.append(token)
+            if self.stop_below is not None and self._confidence(row, token, sampling) < self.stop_below:
+                break
         self._proposed = proposed
         device = self.target.device
         if not proposed:
