@@ -136,7 +136,7 @@ def _changed(value):
 
 
 CHANGES = {"criterion": "naive", "majority": "plurality", "divergence": "kl", "draft": "ngram",
-           "head_dtype": "bfloat16", "draft_head": "heads/eagle3-other"}
+           "head_dtype": "bfloat16", "draft_head": "heads/eagle3-other", "draft_stop": 0.4}
 
 
 @pytest.mark.parametrize("method", ["sd", "dropmatch", "topk", "typical", "divergence"])
@@ -158,8 +158,8 @@ def _matters(method: str, name: str) -> bool:
 
     if name in ("draft", "draft_len", "extra"):
         return True
-    if name in ("ngram_max", "draft_head"):
-        return False  # only with the n-gram / EAGLE-3 drafter (tested below)
+    if name in ("ngram_max", "draft_head", "draft_stop"):
+        return False  # only with the n-gram / EAGLE-3 drafter (tested below and in test_eagle3.py)
     return method in FIELD_METHODS.get(name, (method,))
 
 
