@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter, check_stop_below
 from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .heads import DropoutHead, check_dropout_args, default_head_dtype
@@ -101,8 +101,7 @@ class MethodConfig:
             raise ConfigError(f"unknown drafter {self.draft!r}; choose one of {', '.join(DRAFTERS)}")
         if self.draft_len < 1:
             raise ConfigError(f"draft length must be >= 1, got {self.draft_len}")
-        if self.draft_stop is not None and not 0.0 < self.draft_stop < 1.0:
-            raise ConfigError(f"--draft-stop must be a probability in (0, 1), got {self.draft_stop}")
+        check_stop_below(self.draft_stop)
         if self.method.startswith("judge") and not self.judge_path:
             raise ConfigError("--method judge needs --judge PATH (train one with `python -m dropmatch judge train`)")
         if "dropmatch" in self.method:

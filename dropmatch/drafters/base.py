@@ -12,7 +12,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..errors import ConfigError
 from ..sampling import SamplingConfig
+
+
+def check_stop_below(stop_below: float | None) -> None:
+    """Refuse a draft-confidence stop that is not a probability in (0, 1) (``None``: no stop)."""
+    if stop_below is not None and not 0.0 < stop_below < 1.0:
+        raise ConfigError(f"the draft stop (--draft-stop) must be a probability in (0, 1), got {stop_below!r}")
 
 
 @dataclass(frozen=True)

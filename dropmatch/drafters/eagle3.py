@@ -36,7 +36,7 @@ from ..kv_cache import KVBuffer
 from ..models import CausalLM
 from ..onednn_linear import pack_linears
 from ..sampling import SamplingConfig, sample_with_uniform
-from .base import Draft
+from .base import Draft, check_stop_below
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_NAME = "model.safetensors"
@@ -425,8 +425,7 @@ class Eagle3Drafter:
         draft length, like the confidence threshold of HF's assisted decoding); ``None``: always the
         ``n`` tokens asked for (the paper's fixed L). The stop depends on the draft alone, so greedy SD
         still equals AR and speculative sampling stays lossless."""
-        if stop_below is not None and not 0.0 < stop_below < 1.0:
-            raise ConfigError(f"stop_below must be in (0, 1) or None, got {stop_below!r}")
+        check_stop_below(stop_below)
         self.head, self.target, self.stop_below = head, target, stop_below
         num_layers = int(getattr(target.model.config, "num_hidden_layers", 0)) or len(target.trunk.layers)
         self.feature_layers: tuple[int, ...] = head.config.feature_layers or default_feature_layers(num_layers)

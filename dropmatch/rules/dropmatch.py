@@ -109,7 +109,8 @@ def centroid_logits(head_logits: torch.Tensor) -> torch.Tensor:
 def _log_normalizers(logits: torch.Tensor) -> torch.Tensor:
     """ln sum_v exp(logits) along the last axis, float64 (...,): the maximum (exact) plus the log of the
     float32 sum of the shifted exponentials, added in float64 (a float32 ln Z of ~20 nats would carry
-    ~2e-6 of rounding, more than :data:`JS_SLACK`). One pass over the logits, no probabilities kept."""
+    ~2e-6 of rounding, more than :data:`JS_SLACK`). The shifted logits are one temporary, exponentiated in
+    place and summed; no probabilities are kept."""
     top = logits.amax(-1, keepdim=True)
     shifted = (logits - top).exp_().sum(-1)
     return top.squeeze(-1).double() + shifted.double().log()
