@@ -25,8 +25,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "else a draft model id or directory (with --target)")
     group.add_argument("--draft-head", help="with --draft eagle3: an EAGLE-3 head directory or hub id (default: the "
                        "committed head of the embedded pair)")
-    group.add_argument("--draft-stop", type=float, help="with --draft eagle3: end a proposal after a draft token "
-                       "of probability below this (a dynamic draft length; default: always --draft-len tokens)")
+    group.add_argument("--draft-stop", type=float, help="with a draft model or --draft eagle3: end a proposal after a "
+                       "draft token of probability below this (a dynamic draft length; default: always --draft-len tokens)")
     group.add_argument("--dtype", help="float32, bfloat16 or float16 for hub models")
     group.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
     group.add_argument("--device-map", help="'auto': spread a hub target over the GPUs present (e.g. a 70B), the "

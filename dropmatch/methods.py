@@ -56,7 +56,8 @@ LABEL_SHOWN: dict[str, tuple[str, ...]] = {
 }
 
 
-EAGLE3_FIELDS = ("draft_head", "draft_stop")  # fields that only the EAGLE-3 drafter reads
+EAGLE3_FIELDS = ("draft_head",)  # fields that only the EAGLE-3 drafter reads
+STOPPING_DRAFTERS = ("model", "eagle3")  # drafters that read draft_stop (a confidence stop needs a draft distribution)
 KEY_NEUTRAL = {"draft_stop": None}  # fields left out of MethodConfig.to_dict at these values
 
 
@@ -90,7 +91,7 @@ class MethodConfig:
     ngram_max: int = 3
     # EAGLE-3 drafter: a head directory or hub id (None: the committed head of the embedded pair)
     draft_head: str | None = None
-    # EAGLE-3 drafter: end a proposal after a draft token below this probability (None: always L tokens)
+    # model and EAGLE-3 drafters: end a proposal after a draft token below this probability (None: always L tokens)
     draft_stop: float | None = None
     extra: dict = field(default_factory=dict)
 
@@ -102,6 +103,9 @@ class MethodConfig:
         if self.draft_len < 1:
             raise ConfigError(f"draft length must be >= 1, got {self.draft_len}")
         check_stop_below(self.draft_stop)
+        if self.draft_stop is not None and self.draft not in STOPPING_DRAFTERS:
+            raise ConfigError(f"--draft-stop needs a drafter with a distribution ({' or '.join(STOPPING_DRAFTERS)}), "
+                              f"not {self.draft!r}")
         if self.method.startswith("judge") and not self.judge_path:
             raise ConfigError("--method judge needs --judge PATH (train one with `python -m dropmatch judge train`)")
         if "dropmatch" in self.method:
@@ -207,7 +211,7 @@ def build_drafter(pair: ModelPair, config: MethodConfig) -> Drafter | None:
         return _eagle3_drafter(pair, config.draft_head, config.draft_stop)
     if pair.draft is None:
         raise ConfigError("this method needs a draft model: load the pair with a draft, or use --draft ngram")
-    return ModelDrafter(pair.draft)
+    return ModelDrafter(pair.draft, config.draft_stop)
 
 
 _EAGLE3_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {source: head}

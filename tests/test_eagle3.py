@@ -313,6 +313,17 @@ def test_draft_stop_is_named_keyed_and_checked():
             MethodConfig("sd", draft="eagle3", draft_stop=bad)
 
 
+def test_draft_stop_reaches_the_model_drafter_and_is_refused_for_ngram(pair):
+    """The same option gives the draft model a dynamic draft length (label, key, drafter); n-gram lookup
+    has no draft distribution to stop on, so asking it to stop is an error, not a silent no-op."""
+    config = MethodConfig("sd", draft_stop=0.5)
+    assert config.label == "sd[draft_stop=0.5]@L5" and config.to_dict()["draft_stop"] == 0.5
+    assert Decoder(pair, config).drafter.stop_below == 0.5
+    assert Decoder(pair, MethodConfig("sd")).drafter.stop_below is None
+    with pytest.raises(ConfigError, match="draft-stop"):
+        MethodConfig("sd", draft="ngram", draft_stop=0.5)
+
+
 @pytest.mark.gemma
 def test_committed_head_is_lossless_on_gemma(gemma):
     source = committed_head("gemma-3-270m")

@@ -30,6 +30,23 @@ def test_greedy_sd_equals_greedy_ar(arch, request):
         assert ngram.token_ids == ar, seed
 
 
+@pytest.mark.parametrize("arch", ["tiny", "tiny_gemma"])
+def test_greedy_sd_with_a_confidence_stop_equals_greedy_ar(arch, request):
+    """A model drafter that ends its proposals after an unconfident token (a dynamic draft length) still
+    gives greedy AR's tokens; the stop threshold sits inside the tiny drafts' range of top probabilities,
+    so proposals both stop early and run to the full length."""
+    pair = request.getfixturevalue(arch)
+    lengths: list[int] = []
+    for seed in range(8):
+        prompt = random_prompt(seed)
+        ar = generate(pair.target, prompt, max_new_tokens=40).token_ids
+        sd = generate(pair.target, prompt, drafter=ModelDrafter(pair.draft, stop_below=0.08), draft_len=6,
+                      max_new_tokens=40)
+        assert sd.token_ids == ar, seed
+        lengths += sd.stats.drafted_per_step[:-2]  # the last steps are cut by the token budget
+    assert 6 in lengths and min(lengths) < 6
+
+
 def test_sd_actually_speculates(tiny):
     """The equality test above means something only if drafts are accepted and rejected."""
     result = generate(tiny.target, random_prompt(1), drafter=ModelDrafter(tiny.draft), draft_len=4,

@@ -158,7 +158,9 @@ def _matters(method: str, name: str) -> bool:
 
     if name in ("draft", "draft_len", "extra"):
         return True
-    if name in ("ngram_max", "draft_head", "draft_stop"):
+    if name == "draft_stop":
+        return True  # the base configurations draft with the model drafter, which reads it
+    if name in ("ngram_max", "draft_head"):
         return False  # only with the n-gram / EAGLE-3 drafter (tested below and in test_eagle3.py)
     return method in FIELD_METHODS.get(name, (method,))
 

@@ -83,20 +83,29 @@ def _exact_joint(target, prompt, vocab, sampling):
     return joint
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+@pytest.mark.parametrize("drafter_kind", ["model", "model-stop", "ngram"])
 def test_engine_preserves_target_distribution(drafter_kind):
-    """Second and third tokens of full SD runs on a 10-token model match plain sampling."""
+    """Second and third tokens of full SD runs on a 10-token model (the first verify step's two draft
+    positions, or later steps after a rejection) match plain sampling; "model-stop"
+    drafts end after a sampled token of draft probability below 0.3 (both stopped and full proposals
+    occur, and a stop that looked at anything but the draft would bias the counts)."""
     vocab = 10
     pair = make_tiny("llama", seed=5, draft_noise=0.5, vocab_size=vocab)
     sampling = SamplingConfig(1.0)
     prompt = torch.tensor([2, 3, 4, 3, 5, 3])
     expected = _exact_joint(pair.target, prompt, vocab, sampling).flatten()
     counts = torch.zeros(vocab * vocab)
+    first_lengths = torch.zeros(3)
     for seed in range(4000):
-        drafter = ModelDrafter(pair.draft) if drafter_kind == "model" else NgramDrafter(max_ngram=1)
-        out = generate(pair.target, prompt, drafter=drafter, draft_len=2, max_new_tokens=3, sampling=sampling,
-                       seed=seed).token_ids
+        drafter = {"model": lambda: ModelDrafter(pair.draft), "model-stop": lambda: ModelDrafter(pair.draft, 0.3),
+                   "ngram": lambda: NgramDrafter(max_ngram=1)}[drafter_kind]()
+        result = generate(pair.target, prompt, drafter=drafter, draft_len=2, max_new_tokens=4, sampling=sampling,
+                          seed=seed)  # 4: the first proposal has both draft positions (3 would leave it one)
+        out = result.token_ids
         counts[out[1] * vocab + out[2]] += 1
+        first_lengths[result.stats.drafted_per_step[0]] += 1
+    if drafter_kind == "model-stop":
+        assert first_lengths[1] > 100 and first_lengths[2] > 100, first_lengths
     keep = expected * counts.sum() >= 5
     observed = torch.cat([counts[keep], counts[~keep].sum().view(1)])
     wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)]) * counts.sum()

@@ -7,10 +7,10 @@ greedy decoding, after one warm-up generation per method. Tokens/s is total new 
 wall time (prefill included) per method, beside the mean over generations and the decode tokens/s
 after the prefill (Hugging Face rows: minus the time of a one-token ``generate`` on the same prompt);
 tau is ours (per target forward, prefill included), paper tau per verify step. Speedups are ratios
-against rows of the same run, end to end and (``decode vs HF plain``) after the prefill. The EAGLE-3
-head runs twice: at the fixed draft length L (the paper's setting, whose tau the issue reports) and with
-proposals that end after a draft token below ``--draft-stop`` (a dynamic draft length, like HF's
-assistant confidence threshold; lossless, the stop depends on the draft alone).
+against rows of the same run, end to end and (``decode vs HF plain``) after the prefill. The draft model
+and the EAGLE-3 head run twice each: at the fixed draft length L (the paper's setting, whose tau the issue
+reports) and with proposals that end after a draft token below ``--draft-stop`` (a dynamic draft length,
+like HF's assistant confidence threshold; lossless, the stop depends on the draft alone).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-len", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (interleaved)")
     parser.add_argument("--draft-stop", type=float, default=0.4,
-                        help="the EAGLE-3 row with a dynamic draft length stops after a draft token below this")
+                        help="the rows with a dynamic draft length (draft model, EAGLE-3) stop after a draft token "
+                             "below this")
     parser.add_argument("--only", nargs="+", help="rows whose name contains one of these (HF plain is always run)")
     args = parser.parse_args(argv)
 
@@ -75,12 +76,14 @@ def main(argv: list[str] | None = None) -> None:
     kind = describe_model(pair.draft).split(" on ")[0]  # e.g. "int8 dynamic", read off the loaded draft
     hf_assist = dict(assistant_model=pair.draft.model, num_assistant_tokens=L,
                      num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    model_stop_row = f"ours SD ({kind} draft, L<={L}, stop below p={args.draft_stop:g})"  # dynamic draft length
     methods = {
         "HF generate (plain)": _hf_runner(pair),
         f"HF assisted ({kind} draft, L={L})": _hf_runner(pair, **hf_assist),
         f"HF prompt lookup (L={L})": _hf_runner(pair, prompt_lookup_num_tokens=L),
         "ours AR": _our_runner(pair, None, L),
         f"ours SD ({kind} draft, L={L})": _our_runner(pair, lambda: ModelDrafter(pair.draft), L),
+        model_stop_row: _our_runner(pair, lambda: ModelDrafter(pair.draft, args.draft_stop), L),
         f"ours SD (n-gram, L={L})": _our_runner(pair, NgramDrafter, L),
     }
     eagle3_row = f"ours SD (EAGLE-3, L={L})"
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.max_new_tokens} new tokens, greedy; {machine_line()}")
     print(format_table(rows, ["method", *SPEED_COLUMNS, "vs HF plain", "vs HF assisted", "vs ours AR",
                               "decode vs HF plain", "identical to greedy"]))
-    for row in (eagle3_row, eagle3_stop_row):
+    for row in (model_stop_row, eagle3_row, eagle3_stop_row):
         if row in totals and not totals[row].identical:
             raise SystemExit(f"{row}: output differs from greedy decoding")
 

@@ -1,7 +1,7 @@
 """Drafters propose tokens; the engine verifies them. One protocol (:class:`Drafter`), one module each."""
 
-from .base import Draft, Drafter, FeatureDrafter, check_stop_below
+from .base import Draft, Drafter, FeatureDrafter, check_stop_below, draft_confidence
 from .model import ModelDrafter
 from .ngram import NgramDrafter, lookup
 
-__all__ = ["Draft", "Drafter", "FeatureDrafter", "ModelDrafter", "NgramDrafter", "check_stop_below", "lookup"]
+__all__ = ["Draft", "Drafter", "FeatureDrafter", "ModelDrafter", "NgramDrafter", "check_stop_below", "draft_confidence", "lookup"]

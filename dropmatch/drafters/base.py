@@ -22,6 +22,15 @@ def check_stop_below(stop_below: float | None) -> None:
         raise ConfigError(f"the draft stop (--draft-stop) must be a probability in (0, 1), got {stop_below!r}")
 
 
+def draft_confidence(row: torch.Tensor, token: int, sampling: SamplingConfig) -> float:
+    """The draft's probability of its chosen ``token``, what a confidence stop compares with its threshold:
+    greedy, ``row`` holds the draft logits and this is the top token's softmax probability; sampling,
+    ``row`` holds the draft probabilities the token was sampled from."""
+    if sampling.greedy:
+        return float(torch.exp(row.max() - torch.logsumexp(row, dim=0)))
+    return float(row[token])
+
+
 @dataclass(frozen=True)
 class Draft:
     """Proposed tokens (n,) int64; their distributions (n, V) float32 when sampling (speculative

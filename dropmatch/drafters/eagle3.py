@@ -36,7 +36,7 @@ from ..kv_cache import KVBuffer
 from ..models import CausalLM
 from ..onednn_linear import pack_linears
 from ..sampling import SamplingConfig, sample_with_uniform
-from .base import Draft, check_stop_below
+from .base import Draft, check_stop_below, draft_confidence
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_NAME = "model.safetensors"
@@ -482,13 +482,6 @@ class Eagle3Drafter:
         probs = sampling.probs(self._in_target_vocab(draft_logits[None])[0])
         return int(sample_with_uniform(probs, torch.rand((), generator=generator))), probs
 
-    def _confidence(self, row: torch.Tensor, token: int, sampling: SamplingConfig) -> float:
-        """The draft probability of the chosen ``token``, from what :meth:`_choose` kept: greedy, the draft
-        logits (N',) (the top token's softmax probability); sampling, the probabilities (V,)."""
-        if sampling.greedy:
-            return float(torch.exp(row.max() - torch.logsumexp(row, dim=0)))
-        return float(row[token])
-
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         tokens = self._tokens + [last_token]
         assert self._feats is not None and self._feats.shape[0] == len(tokens), "start/commit out of step"
@@ -503,7 +496,7 @@ class Eagle3Drafter:
             token, row = self._choose(self._draft_logits(state), i, sampling, generator)
             rows.append(row)
             proposed.append(token)
-            if self.stop_below is not None and self._confidence(row, token, sampling) < self.stop_below:
+            if self.stop_below is not None and draft_confidence(row, token, sampling) < self.stop_below:
                 break
         self._proposed = proposed
         device = self.target.device

@@ -7,7 +7,7 @@ import torch
 from ..errors import PromptTooLongError
 from ..models import CausalLM, rollback
 from ..sampling import SamplingConfig, argmax, sample_with_uniform
-from .base import Draft
+from .base import Draft, check_stop_below, draft_confidence
 
 
 class ModelDrafter:
@@ -18,6 +18,13 @@ class ModelDrafter:
     Greedy drafts take the argmax; under sampling the draft samples from its own tempered /
     top-p distribution (needed for speculative sampling to stay lossless).
 
+    ``stop_below`` gives a dynamic draft length: a proposal ends after a token whose draft probability
+    is below it (see :func:`~dropmatch.drafters.base.draft_confidence`), so a draft that costs a
+    sizeable share of a target forward (the embedded int8 self-draft: ~0.5) spends fewer forwards on
+    tokens the target is likely to reject. ``None``: always the ``n`` tokens asked for (the paper's fixed
+    L). The stop depends on the draft alone, so greedy SD still equals AR and speculative sampling stays
+    lossless.
+
     Context length: the draft never runs past its ``max_positions``. Near the end of its context it
     proposes fewer tokens, then none (the target then emits one token per step, still exactly); a
     prompt longer than that context is a :class:`~dropmatch.errors.PromptTooLongError`.
@@ -25,8 +32,9 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model: CausalLM):
-        self.model = model
+    def __init__(self, model: CausalLM, stop_below: float | None = None):
+        check_stop_below(stop_below)
+        self.model, self.stop_below = model, stop_below
         self.cache = None
         self._pending: list[int] = []
         self._proposed: list[int] = []
@@ -60,6 +68,8 @@ class ModelDrafter:
             tokens.append(token)
             rows.append(row)
             feed = [token]
+            if self.stop_below is not None and draft_confidence(row, token, sampling) < self.stop_below:
+                break
         # The cache now holds the context, last_token and all proposals but the newest one.
         self._pending = []
         self._proposed = tokens
