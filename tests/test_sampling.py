@@ -96,10 +96,10 @@ def test_engine_preserves_target_distribution(drafter_kind):
     expected = _exact_joint(pair.target, prompt, vocab, sampling).flatten()
     counts = torch.zeros(vocab * vocab)
     first_lengths = torch.zeros(3)
+    new_drafter = {"model": lambda: ModelDrafter(pair.draft), "model-stop": lambda: ModelDrafter(pair.draft, 0.3),
+                   "ngram": lambda: NgramDrafter(max_ngram=1)}[drafter_kind]
     for seed in range(4000):
-        drafter = {"model": lambda: ModelDrafter(pair.draft), "model-stop": lambda: ModelDrafter(pair.draft, 0.3),
-                   "ngram": lambda: NgramDrafter(max_ngram=1)}[drafter_kind]()
-        result = generate(pair.target, prompt, drafter=drafter, draft_len=2, max_new_tokens=4, sampling=sampling,
+        result = generate(pair.target, prompt, drafter=new_drafter(), draft_len=2, max_new_tokens=4, sampling=sampling,
                           seed=seed)  # 4: the first proposal has both draft positions (3 would leave it one)
         out = result.token_ids
         counts[out[1] * vocab + out[2]] += 1
