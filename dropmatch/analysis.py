@@ -12,7 +12,8 @@ import torch
 from .heads import check_dropout_args, keep_scale
 from .methods import dropout_head
 from .models import CausalLM, ModelPair
-from .rules.dropmatch import decide
+from .rules.divergence import js_divergence
+from .rules.dropmatch import centroid_logits, decide
 from .sampling import SamplingConfig
 
 GREEDY = SamplingConfig()
@@ -84,6 +85,31 @@ def head_agreement_at(target: CausalLM, hidden: torch.Tensor, logits: torch.Tens
             p = torch.softmax(heads, -1).gather(-1, majority.view(-1, 1, 1).expand(-1, k, 1)).squeeze(-1)
             probs.append(p.mean(-1).cpu())
     return {"majority_count": torch.cat(counts).numpy(), "majority_prob": torch.cat(probs).float().numpy()}
+
+
+def js_radii_at(target: CausalLM, hidden: torch.Tensor, logits: torch.Tensor, draft_logits: torch.Tensor,
+                k: int = 5, p_drop: float = 0.3, seed: int = 0, chunk: int = 8) -> dict[str, np.ndarray]:
+    """Where the draft distribution sits relative to the heads' cluster (paper Table 3), per teacher-forced
+    position (n,): ``agree`` (all K heads pick the same token: the concentrated case, else dispersed),
+    ``js_draft`` = JS(q || c) and ``js_heads`` = max_i JS(p_i || c) (the JS criterion's radius), in nats,
+    with q = softmax(``draft_logits``) (n, V), p_i the heads' distributions and c the softmax of their mean
+    logits. ``hidden`` (n, d) and ``logits`` (n, V) as for :func:`head_agreement_at`, whose masks these are
+    for the same seed and chunk (its positions split the same way)."""
+    head = dropout_head(target, k, p_drop)
+    generator = torch.Generator().manual_seed(seed)
+    agree, js_draft, js_heads = [], [], []
+    with torch.inference_mode():
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            masks = head.draw_masks(hidden[rows].shape[0], generator)
+            heads = head.logits(hidden[rows], logits[rows], masks)  # (n, K, V)
+            tokens = heads.argmax(-1)  # (n, K)
+            agree.append((tokens == tokens[:, :1]).all(-1).cpu())
+            centre = torch.softmax(centroid_logits(heads.transpose(0, 1)), -1)  # (n, V)
+            js_heads.append(js_divergence(torch.softmax(heads, -1), centre.unsqueeze(1)).amax(-1).cpu())
+            js_draft.append(js_divergence(torch.softmax(draft_logits[rows].float(), -1), centre).cpu())
+    return {"agree": torch.cat(agree).numpy(), "js_draft": torch.cat(js_draft).double().numpy(),
+            "js_heads": torch.cat(js_heads).double().numpy()}
 
 
 def acceptance_probe(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Sequence[int],

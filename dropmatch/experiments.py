@@ -271,6 +271,44 @@ def agreement_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Seque
     return pd.DataFrame(rows)
 
 
+TABLE3_CASES = {"dispersed": False, "concentrated": True}  # case -> whether all K heads agree
+
+
+def js_radii_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Sequence[float], max_new_tokens: int,
+                  results_dir: str | Path, k: int = 5, seed: int = 0) -> pd.DataFrame:
+    """Paper Table 3, per p_drop and case: the mean JS(q || c) of the draft to the heads' centroid
+    (``js_draft``) and the mean radius max_i JS(p_i || c) (``js_heads``), in nats, teacher-forced on the
+    target's greedy answers at every position, split into ``dispersed`` (the K heads do not all pick the
+    same token) and ``concentrated`` (they do) positions, with the masks of :func:`agreement_by_p` (same
+    seed, same split). ``inside_share``: the share of the case's positions where js_draft <= js_heads (the
+    JS criterion alone accepts the draft distribution there). Intervals: bootstrap over the ``n`` examples
+    with positions of the case, positions pooled."""
+    per_example = []  # (p, js_radii_at's arrays) per example
+    for ex, answer in zip(examples, greedy_answers(pair, examples, max_new_tokens, results_dir), strict=True):
+        if not answer:
+            continue
+        hidden, logits, draft_logits = analysis.teacher_forced(pair, pair.encode(ex.prompt), answer)
+        if draft_logits is None:
+            raise ConfigError("Table 3 compares the draft's distribution with the heads': the pair needs a draft model")
+        for p in p_values:
+            per_example.append((p, analysis.js_radii_at(pair.target, hidden, logits, draft_logits, k=k, p_drop=p,
+                                                        seed=example_seed(seed, ex.id))))
+    rows = []
+    for p in p_values:
+        for case, agree in TABLE3_CASES.items():
+            parts = [{name: values[r["agree"] == agree] for name, values in r.items()} for q, r in per_example if q == p]
+            parts = [part for part in parts if len(part["agree"])]
+            counts = [len(part["agree"]) for part in parts]
+            row = {"p_drop": p, "case": case}
+            for column, values in (("js_draft", [part["js_draft"] for part in parts]),
+                                   ("js_heads", [part["js_heads"] for part in parts]),
+                                   ("inside_share", [part["js_draft"] <= part["js_heads"] for part in parts])):
+                sums = [float(v.sum()) for v in values]
+                with_ci(row, column, sum(sums) / sum(counts) if counts else float("nan"), pooled_ratio_ci(sums, counts))
+            rows.append({**row, "n": len(parts), "positions": int(sum(counts))})
+    return pd.DataFrame(rows)
+
+
 def dropout_paths(pair: ModelPair, examples: Sequence[Example], p_values: Sequence[float], k: int,
                   max_new_tokens: int, results_dir: str | Path, seed: int = 0, progress: bool = True) -> list[dict]:
     """K free-running dropout paths per example and p_drop (resumable, one file per seed and budget).

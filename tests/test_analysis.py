@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from dropmatch import analysis, experiments  # noqa: E402
 from dropmatch.engine import generate  # noqa: E402
 from dropmatch.figures import save_figure  # noqa: E402
-from dropmatch.methods import MethodConfig  # noqa: E402
+from dropmatch.methods import MethodConfig, dropout_head  # noqa: E402
 from dropmatch.paths import data_dir  # noqa: E402
 from dropmatch.reproduce import PRESETS, notebooks, parse_value  # noqa: E402
 from dropmatch.tasks import load_task  # noqa: E402
@@ -50,6 +50,36 @@ def test_head_agreement_and_probe(tiny):
         if row["p_drop"] == 0.0:
             assert row["acceptance_rate"] == row["exact_match_rate"]
     assert any(r["acceptance_rate"] > r["exact_match_rate"] for r in rows if r["p_drop"] == 0.3)
+
+
+def test_js_radii_match_an_independent_computation_and_split_like_head_agreement(tiny):
+    """Table 3's quantities: the heads' centroid, the radius and the draft's JS, checked against scipy's
+    Jensen-Shannon distance on heads computed directly as W (h * m / (1 - p)) with the same masks."""
+    from scipy.spatial.distance import jensenshannon
+
+    prompt = random_prompt(1).tolist()
+    answer = generate(tiny.target, prompt, max_new_tokens=16).token_ids
+    hidden, logits, draft_logits = analysis.teacher_forced(tiny, prompt, answer)
+    calm = analysis.js_radii_at(tiny.target, hidden, logits, draft_logits, k=5, p_drop=0.0, seed=3)
+    assert calm["agree"].all() and np.abs(calm["js_heads"]).max() < 1e-6  # no dropout: every head is the target
+    assert calm["js_draft"].min() > 1e-4  # the tiny draft is not the target
+    itself = analysis.js_radii_at(tiny.target, hidden, logits, logits, k=5, p_drop=0.0, seed=3)
+    assert np.abs(itself["js_draft"]).max() < 1e-6
+    for p in (0.1, 0.5):
+        radii = analysis.js_radii_at(tiny.target, hidden, logits, draft_logits, k=5, p_drop=p, seed=3, chunk=4)
+        split = analysis.head_agreement_at(tiny.target, hidden, logits, k=5, p_drop=p, seed=3, chunk=4)
+        assert (radii["agree"] == (split["majority_count"] == 5)).all()
+        head = dropout_head(tiny.target, 5, p)
+        masks = head.draw_masks(4, torch.Generator().manual_seed(3))  # the first chunk's masks
+        direct = torch.softmax(head.exact_logits(hidden[:4], masks).double(), -1).numpy()  # (4, K, V)
+        draft = torch.softmax(draft_logits[:4].double(), -1).numpy()
+        for j in range(4):
+            centre = np.exp(np.log(direct[j]).mean(0))
+            centre /= centre.sum()  # softmax of the mean logits
+            radius = max(jensenshannon(direct[j, i], centre) ** 2 for i in range(5))
+            assert radii["js_heads"][j] == pytest.approx(radius, rel=1e-3, abs=1e-7)
+            assert radii["js_draft"][j] == pytest.approx(jensenshannon(draft[j], centre) ** 2, rel=1e-3, abs=1e-7)
+        assert radii["js_heads"].min() > 0 and radii["js_heads"].max() <= np.log(2)
 
 
 def test_equal_noise_scaling(tiny):

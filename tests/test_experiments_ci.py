@@ -126,6 +126,26 @@ def test_head_agreement_by_p_has_intervals(tiny, tmp_path, one_thread):
     assert table.groupby("p_drop").share.sum().round(9).eq(1.0).all()
 
 
+@needs_data
+def test_js_radii_by_p_split_the_positions_of_table2(tiny, tmp_path, one_thread):
+    examples = load_task("humaneval", limit=3)
+    radii = experiments.js_radii_by_p(tiny, examples, [0.0, 0.5], 8, tmp_path, k=3).set_index(["p_drop", "case"])
+    agreement = experiments.agreement_by_p(tiny, examples, [0.0, 0.5], 8, tmp_path, k=3)
+    for p in (0.0, 0.5):
+        everywhere = agreement[agreement.p_drop == p]
+        unanimous = everywhere[everywhere.agreeing_heads == 3]
+        assert radii.loc[(p, "concentrated"), "positions"] == round(float(unanimous.share.iloc[0]) * everywhere.positions.iloc[0])
+        assert radii.loc[[(p, "concentrated"), (p, "dispersed")], "positions"].sum() == everywhere.positions.iloc[0]
+    assert radii.loc[(0.0, "dispersed"), "n"] == 0 and np.isnan(radii.loc[(0.0, "dispersed"), "js_heads"])
+    calm = radii.loc[(0.0, "concentrated")]  # every head is the target: radius 0, the draft outside it
+    assert calm.n == 3 and abs(calm.js_heads) < 1e-6 and calm.js_draft > 0 and calm.inside_share == 0.0
+    noisy = radii.loc[0.5]
+    noisy = noisy[noisy.n > 0]
+    for column in ("js_draft", "js_heads", "inside_share"):
+        assert ((noisy[f"{column}_lo"] <= noisy[column]) & (noisy[column] <= noisy[f"{column}_hi"])).all()
+    assert (noisy.js_heads > 0).all()
+
+
 def _declared() -> dict[str, set[str]]:
     return {nb.name: set(papermill.inspect_notebook(str(nb))) for nb in reproduce.notebooks()}
 
