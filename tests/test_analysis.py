@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from scipy.spatial.distance import jensenshannon  # noqa: E402
 
 from dropmatch import analysis, experiments  # noqa: E402
 from dropmatch.engine import generate  # noqa: E402
@@ -55,8 +56,6 @@ def test_head_agreement_and_probe(tiny):
 def test_js_radii_match_an_independent_computation_and_split_like_head_agreement(tiny):
     """Table 3's quantities: the heads' centroid, the radius and the draft's JS, checked against scipy's
     Jensen-Shannon distance on heads computed directly as W (h * m / (1 - p)) with the same masks."""
-    from scipy.spatial.distance import jensenshannon
-
     prompt = random_prompt(1).tolist()
     answer = generate(tiny.target, prompt, max_new_tokens=16).token_ids
     hidden, logits, draft_logits = analysis.teacher_forced(tiny, prompt, answer)
