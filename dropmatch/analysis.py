@@ -4,7 +4,7 @@ probes, and the hidden-size scaling of p_drop. Every function here is tested; no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -67,18 +67,26 @@ def head_agreement(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Seque
     return head_agreement_at(pair.target, hidden, logits, k, p_drop, seed, chunk)
 
 
+def _chunked_heads(target: CausalLM, hidden: torch.Tensor, logits: torch.Tensor, k: int, p_drop: float, seed: int,
+                   chunk: int) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The K dropout heads' logits (n, K, V) of ``chunk`` teacher-forced positions at a time, with their rows
+    of ``hidden`` (n, d) / ``logits`` (n, V): masks from one generator seeded by ``seed``, so every analysis
+    that walks the positions this way sees the same heads for the same seed and chunk."""
+    head = dropout_head(target, k, p_drop)
+    generator = torch.Generator().manual_seed(seed)
+    for start in range(0, hidden.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        masks = head.draw_masks(hidden[rows].shape[0], generator)
+        yield rows, head.logits(hidden[rows], logits[rows], masks)
+
+
 def head_agreement_at(target: CausalLM, hidden: torch.Tensor, logits: torch.Tensor, k: int = 5,
                       p_drop: float = 0.3, seed: int = 0, chunk: int = 8) -> dict[str, np.ndarray]:
     """:func:`head_agreement` on teacher-forced hidden states (n, d) and logits (n, V) already computed
     (one forward pass serves every p_drop)."""
-    head = dropout_head(target, k, p_drop)
-    generator = torch.Generator().manual_seed(seed)
     counts, probs = [], []
     with torch.inference_mode():
-        for start in range(0, hidden.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            masks = head.draw_masks(hidden[rows].shape[0], generator)
-            heads = head.logits(hidden[rows], logits[rows], masks)  # (n, K, V)
+        for _, heads in _chunked_heads(target, hidden, logits, k, p_drop, seed, chunk):
             tokens = heads.argmax(-1)  # (n, K)
             majority = tokens.mode(dim=-1).values  # (n,)
             counts.append((tokens == majority.unsqueeze(-1)).sum(-1).cpu())
@@ -94,15 +102,10 @@ def js_radii_at(target: CausalLM, hidden: torch.Tensor, logits: torch.Tensor, dr
     ``js_draft`` = JS(q || c) and ``js_heads`` = max_i JS(p_i || c) (the JS criterion's radius), in nats,
     with q = softmax(``draft_logits``) (n, V), p_i the heads' distributions and c the softmax of their mean
     logits. ``hidden`` (n, d) and ``logits`` (n, V) as for :func:`head_agreement_at`, whose masks these are
-    for the same seed and chunk (its positions split the same way)."""
-    head = dropout_head(target, k, p_drop)
-    generator = torch.Generator().manual_seed(seed)
+    for the same seed and chunk (:func:`_chunked_heads`: its positions split the same way)."""
     agree, js_draft, js_heads = [], [], []
     with torch.inference_mode():
-        for start in range(0, hidden.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            masks = head.draw_masks(hidden[rows].shape[0], generator)
-            heads = head.logits(hidden[rows], logits[rows], masks)  # (n, K, V)
+        for rows, heads in _chunked_heads(target, hidden, logits, k, p_drop, seed, chunk):
             tokens = heads.argmax(-1)  # (n, K)
             agree.append((tokens == tokens[:, :1]).all(-1).cpu())
             centre = torch.softmax(centroid_logits(heads.transpose(0, 1)), -1)  # (n, V)
