@@ -12,6 +12,7 @@ BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized inp
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 MAX_ROWS = 64  # inputs with more rows (prefill) use F.linear
 
 
+@functools.cache  # a property of the CPU and the torch build: asked on every few-row call
 def bf16_matmul_supported() -> bool:
     """Whether this CPU runs bfloat16 GEMMs natively (AVX512-BF16 / AMX)."""
     try:
@@ -29,6 +31,7 @@ def bf16_matmul_supported() -> bool:
         return False
 
 
+@functools.cache
 def onednn_linear_supported() -> bool:
     """Whether this torch has oneDNN's prepacked linear ops (CPU builds with mkldnn)."""
     return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -67,11 +70,13 @@ class FewRowLinear:
         if self.packed is None and self.supports_weight():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.ROWS_HINT)
 
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """The oneDNN product, for an input :meth:`applies` accepts."""
+        self.prepack()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.applies(x):
-            self.prepack()
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return self.onednn(x) if self.applies(x) else F.linear(x, self.weight, self.bias)
 
 
 def memory_key(weight: torch.Tensor) -> tuple:
@@ -113,9 +118,8 @@ class PackedForward:
         return None if self._kernel is None else self._kernel.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel.applies(x):
-            return self.kernel(x)
-        return F.linear(x, self.linear.weight, self.linear.bias)
+        kernel = self.kernel
+        return kernel.onednn(x) if kernel.applies(x) else F.linear(x, self.linear.weight, self.linear.bias)
 
     def __deepcopy__(self, memo: dict) -> PackedForward:
         """A copied module (e.g. the int8 draft's source) gets its own forward, packed from its own weight."""

@@ -9,7 +9,7 @@ import torch
 
 from dropmatch.benchmarks.common import SpeedTotals
 from dropmatch.engine import generate
-from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.methods import WARM_UP_PROMPT_TOKENS, Decoder, MethodConfig
 from dropmatch.models import ByteTokenizer, CausalLM, ModelPair
 from dropmatch.rules import RelaxedVerification, VerifyInput
 from dropmatch.runner import merge_stats
@@ -96,15 +96,19 @@ def test_run_task_warms_up_before_the_timed_examples(tiny, tmp_path, monkeypatch
         pytest.skip("benchmark data directory not found")
     decoder = Decoder(tiny, MethodConfig("sd"))
     calls: list[int] = []
+    prompts: list[list[int]] = []
     real = decoder.generate
 
     def spy(prompt, max_new_tokens=64, **kw):
         calls.append(max_new_tokens)
+        prompts.append(list(prompt))
         return real(prompt, max_new_tokens=max_new_tokens, **kw)
 
     monkeypatch.setattr(decoder, "generate", spy)
     run_task(decoder, "klue_nli", tmp_path / "a.jsonl", limit=2, max_new_tokens=5, progress=False)
     assert calls == [8, 5, 5]  # one short warm-up, then the two examples
+    # the warm-up decodes after the first example's last WARM_UP_PROMPT_TOKENS tokens (no long prefill)
+    assert len(prompts[1]) > WARM_UP_PROMPT_TOKENS and prompts[0] == prompts[1][-WARM_UP_PROMPT_TOKENS:]
     calls.clear()
     run_task(decoder, "klue_nli", tmp_path / "a.jsonl", limit=2, max_new_tokens=5, progress=False)
     assert calls == []  # nothing to do: no warm-up either
