@@ -258,15 +258,18 @@ class Decoder:
         ``prompt_tokens`` tokens of ``prompt`` (``None``: all of it): the decode steps are the timed
         ones' shapes, and a long few-shot prompt's prefill (seconds for GSM8K's 1358-token 8-shot prompt
         on the embedded pair, 2 cores; the int8 draft's as much again) is not paid once more per method."""
-        ids = self.pair.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = self.token_ids(prompt)
         self.generate(ids if prompt_tokens is None else ids[-prompt_tokens:], max_new_tokens=max_new_tokens)
+
+    def token_ids(self, prompt: str | Sequence[int] | torch.Tensor) -> Sequence[int] | torch.Tensor:
+        """``prompt`` as token ids: text is encoded, ids are passed through."""
+        return self.pair.encode(prompt) if isinstance(prompt, str) else prompt
 
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 64, seed: int = 0,
                  stop: Sequence[str] = ()) -> GenerationResult:
         """Decode after ``prompt`` (text or token ids); ``stop`` strings end generation after the step
         that produced them (the caller cuts the text)."""
-        ids = self.pair.encode(prompt) if isinstance(prompt, str) else prompt
-        return generate(self.pair.target, ids, drafter=self.drafter, rule=self.rule,
+        return generate(self.pair.target, self.token_ids(prompt), drafter=self.drafter, rule=self.rule,
                         draft_len=self.config.draft_len, max_new_tokens=max_new_tokens,
                         sampling=self.sampling, seed=seed, eos_token_ids=self.pair.eos_token_ids,
                         should_stop=StopOnText(self.pair.decode, stop) if stop else None)
