@@ -15,12 +15,18 @@
    exact argmax, where the CPU has native bfloat16); JS rules on float32 sparse heads take the float32
    head instead, whose cost the row "standard (float32 head)" shows. Goal (issue 10): js+majority at
    most 5 % at p = 0.032 and 15 % at p = 0.3.
-3. End to end: tau and tokens/s of SD and SD + DropMatch on the same prompts, same process.
+3. The floor of each head path on this machine: the bytes a position's K heads must read (exact rows:
+   the whole float32 weight; sparse heads: the K p_drop d dropped rows of W^T, in expectation), the time of
+   one streaming read of that many bytes (``torch.sum``, measured here), and the overhead that read alone
+   would cost at the measured positions with heads per step. A goal below that floor is out of reach
+   of any kernel for that path on this machine.
+4. End to end: tau and tokens/s of SD and SD + DropMatch on the same prompts, same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -29,6 +35,7 @@ import torch
 
 from ..drafters import Draft, ModelDrafter
 from ..engine import generate, verify_step
+from ..heads.dropout import DropoutHead
 from ..methods import Decoder, MethodConfig, build_rule
 from ..models import ModelPair, load_pair
 from ..rules import StandardVerification, VerifyInput
@@ -106,7 +113,49 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                      "positions with heads / step": evaluations[name] / len(recorder.steps),
                      "head overhead (% of verify step)": 100 * (ms - base) / step_ms,
                      "verify step (ms)": step_ms, "steps": len(recorder.steps)})
-    return pd.DataFrame(rows)
+    return add_floors(pd.DataFrame(rows), rules)
+
+
+def streaming_read_ms(tensor: torch.Tensor, repeats: int = 15) -> float:
+    """Median time (ms) of one ``torch.sum`` over ``tensor``: a streaming read of its bytes."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tensor.sum()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def read_floor(head: DropoutHead) -> tuple[float, float]:
+    """(MB, ms): the bytes one position's K heads read on ``head``'s path and one streaming read of that
+    many bytes. Exact rows read the whole weight; sparse heads ~K p_drop d rows of W^T (each head's
+    dropped columns, in expectation); dense heads ride in the verification GEMM: (0, 0)."""
+    if head.exact_rows:
+        data = head.weight
+    elif head.sparse:
+        data = head.weight_t[: max(1, round(head.k * head.p_drop * head.weight.shape[1]))]
+    else:
+        return 0.0, 0.0
+    return data.numel() * data.element_size() / 1e6, streaming_read_ms(data)
+
+
+def add_floors(table: pd.DataFrame, rules: dict) -> pd.DataFrame:
+    """``table`` (from :func:`measure_overhead`) with each DropMatch row's read floor: MB and ms per
+    position with heads, the measured head + rule time per such position, and the overhead the read
+    alone costs at the measured positions per step (% of the standard verify step); NaN elsewhere."""
+    base = table["head + rule / step (ms)"].iloc[0]
+    floors = []
+    for rule, row in zip(rules.values(), table.to_dict("records"), strict=True):
+        head = getattr(getattr(rule, "criterion", None), "head", None)
+        per_step = row["positions with heads / step"]
+        if head is None or not per_step:
+            floors.append({})
+            continue
+        megabytes, read_ms = read_floor(head)
+        floors.append({"MB read / position": megabytes, "streaming read (ms)": read_ms,
+                       "head + rule / position (ms)": (row["head + rule / step (ms)"] - base) / per_step,
+                       "read floor (% of verify step)": 100 * per_step * read_ms / row["verify step (ms)"]})
+    return table.join(pd.DataFrame(floors, index=table.index))
 
 
 def end_to_end(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_tokens: int, draft_len: int = 5,
@@ -149,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["rule", "head + rule / step (ms)", "positions with heads / step", "exact fallbacks / step",
                "head overhead (% of verify step)"]
     print(format_table(overhead.to_dict("records"), columns))
+    print()
+    print("floor per head path: one streaming read of the bytes a position's K heads read")
+    floors = overhead.dropna(subset=["streaming read (ms)"])
+    print(format_table(floors.to_dict("records"), ["rule", "MB read / position", "streaming read (ms)",
+                                                   "head + rule / position (ms)", "read floor (% of verify step)",
+                                                   "head overhead (% of verify step)"]))
     print()
     print(format_table(e2e.to_dict("records"), ["method", "tau", "tokens/s", "vs SD"]))
 
