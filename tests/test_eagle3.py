@@ -153,6 +153,37 @@ def test_public_layout_checkpoint_loads(pair, tmp_path, prefix, layer):
         torch.testing.assert_close(loaded.state_dict()[name], value)
 
 
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_scaling_type", "rope_parameters"])
+def test_linear_rope_scaling_of_a_public_config_reaches_the_rotary(spelling):
+    """Linear scaling by 4 (each spelling the public heads use): position 4 t rotates as position t does
+    without scaling. A loader that drops the scaling rotates 4x too fast, and this fails."""
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 32,
+            "rope_theta": 10000.0}
+    scaling = {"rope_scaling": {"rope_type": "linear", "factor": 4.0},
+               "rope_scaling_type": {"type": "linear", "factor": 4.0},
+               "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}[spelling]
+    key = "rope_scaling" if spelling == "rope_scaling_type" else spelling
+    scaled, plain = Eagle3Head(Eagle3Config.from_dict({**base, key: scaling})), Eagle3Head(Eagle3Config.from_dict(base))
+    positions = torch.arange(6).unsqueeze(0)
+    like = torch.zeros(1, 6, 16)
+    cos_scaled, sin_scaled = scaled.rope(4 * positions, like)
+    cos_plain, sin_plain = plain.rope(positions, like)
+    assert torch.allclose(cos_scaled, cos_plain, atol=1e-5) and torch.allclose(sin_scaled, sin_plain, atol=1e-5)
+    assert not torch.allclose(plain.rope(4 * positions, like)[1], sin_plain, atol=1e-3)  # the check has teeth
+
+
+def test_head_for_another_vocabulary_is_refused(pair, tmp_path):
+    target = pair.target
+    head = Eagle3Head(Eagle3Config(hidden_size=int(target.head_weight.shape[1]), intermediate_size=64,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=target.vocab_size + 5,
+                                   draft_vocab_size=16,
+                                   feature_layers=(1, 1, 2)))
+    head.set_vocabulary(torch.arange(16))
+    save_head(head, tmp_path / "other")
+    with pytest.raises(ConfigError, match="vocabulary"):
+        load_head(tmp_path / "other", target)
+
+
 def test_tied_round_trip_stores_no_lm_head(pair, tmp_path):
     target = pair.target
     head = init_head(tiny_head_config(target, 32, tie_lm_head_to_target=True), target, torch.arange(10, 42))

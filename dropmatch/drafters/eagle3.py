@@ -82,8 +82,12 @@ class Eagle3Config:
         """From a public ``config.json`` (EAGLE-3, SpecForge or ``speculators`` spelling)."""
         raw = {**raw.get("transformer_layer_config", {}), **raw}
         rope = raw.get("rope_parameters") or {}
-        if isinstance(rope, dict) and "rope_theta" not in raw and "rope_theta" in rope:
-            raw["rope_theta"] = rope["rope_theta"]
+        if isinstance(rope, dict):  # transformers >= 5 spelling: theta and scaling in one dict
+            if "rope_theta" not in raw and "rope_theta" in rope:
+                raw["rope_theta"] = rope["rope_theta"]
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            if not raw.get("rope_scaling") and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+                raw["rope_scaling"] = scaling
         eagle = raw.get("eagle_config") or {}
         layers = (raw.get("feature_layers") or eagle.get("eagle_aux_hidden_state_layer_ids")
                   or raw.get("eagle_aux_hidden_state_layer_ids") or ())
@@ -108,8 +112,10 @@ class Eagle3Config:
         """A ``LlamaConfig`` of the same shape, for transformers' rotary embedding."""
         from transformers import LlamaConfig
 
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
-        rope.setdefault("rope_type", rope.pop("type", "default"))
+        scaling = dict(self.rope_scaling or {})
+        if "type" in scaling:  # the older spelling (EAGLE's own configs): {"type": "linear", "factor": 4}
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, **scaling}
         return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
                            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
                            max_position_embeddings=self.max_position_embeddings, rope_parameters=rope)
@@ -344,6 +350,9 @@ def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torc
         if d_t != config.target_hidden_size:
             raise ConfigError(f"EAGLE-3 head {source} expects target hidden size {config.target_hidden_size}, "
                               f"the target has {d_t}")
+        if config.vocab_size != target.vocab_size:
+            raise ConfigError(f"EAGLE-3 head {source} drafts over a vocabulary of {config.vocab_size} tokens, "
+                              f"the target has {target.vocab_size}: it was trained for another target")
     if "lm_head.weight" not in weights:
         if target is None or not config.tie_lm_head_to_target:
             raise ConfigError(f"{source}: no lm_head.weight (and no target to tie it to)")
