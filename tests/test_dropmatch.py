@@ -203,6 +203,10 @@ def test_same_seed_same_output_different_seeds_can_differ(tiny):
     runs = [decoder.generate(prompt, max_new_tokens=48, seed=s).token_ids for s in (0, 0, 1, 2, 3)]
     assert runs[0] == runs[1]
     assert len({tuple(r) for r in runs[1:]}) > 1
+    sampled = Decoder(tiny, MethodConfig("dropmatch", p_drop=0.3, draft_len=4), SamplingConfig(0.9, 1.0))
+    runs = [sampled.generate(prompt, max_new_tokens=48, seed=s).token_ids for s in (0, 0, 1, 2)]
+    assert runs[0] == runs[1]  # masks seeded from a hash of the step generator: the same seed, the same text
+    assert len({tuple(r) for r in runs[1:]}) > 1
 
 
 def test_dropmatch_accepts_more_on_tiny_pair(tiny):
@@ -244,7 +248,8 @@ def test_cuda_matches_cpu(tiny):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"k": 0}, "K"), ({"k": -3}, "K"), ({"p_drop": 1.0}, "p_drop"), ({"p_drop": -0.1}, "p_drop"),
+    ({"k": 0}, "K"), ({"k": -3}, "K"), ({"k": True}, "K"), ({"p_drop": 1.0}, "p_drop"), ({"p_drop": -0.1}, "p_drop"),
+    ({"p_drop": None}, "p_drop"), ({"p_drop": "0.3"}, "p_drop"),
     ({"criterion": "cosine"}, "criterion"), ({"majority": "some"}, "majority"),
 ])
 def test_bad_dropmatch_options(kwargs, match):
@@ -255,6 +260,12 @@ def test_bad_dropmatch_options(kwargs, match):
 def test_bad_options_in_pure_classes():
     with pytest.raises(ConfigError, match="K"):
         DropoutHead(torch.zeros(4, 2), k=0)
+    for weight in (torch.zeros(8), torch.zeros(4, 2, dtype=torch.int64)):
+        with pytest.raises(ConfigError, match="LM-head weight"):
+            DropoutHead(weight)
+    for temperature in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="temperature"):
+            SamplingConfig(temperature)
     with pytest.raises(ConfigError, match="criterion"):
         DropMatch(DropoutHead(torch.zeros(4, 2)), criterion="naive+js")
     with pytest.raises(ConfigError, match="method"):

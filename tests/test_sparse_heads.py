@@ -137,6 +137,30 @@ def test_screened_inexact_clean_logits_give_exact_decisions(criterion, p_drop):
     assert fallbacks < 40 * 2 * 5  # the bounds certify most decisions
 
 
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+def test_bfloat16_product_bounds_hold_and_vanish_at_p_drop_zero(sparse):
+    """The bound on the bf16 products covers their error against float64 heads; at p_drop = 0 the products
+    are exactly zero, so the bound is zero and DropMatch decides on the clean logits as they are (no token
+    recomputed by another kernel), as standard verification does."""
+    g = torch.Generator().manual_seed(5)
+    weight, hidden = torch.randn(300, 48, generator=g) * 0.5, torch.randn(4, 48, generator=g) * 3
+    clean = F.linear(hidden, weight)  # float32: the reference precision
+    for p in (0.0, 0.03, 0.3):
+        head = DropoutHead(weight, k=5, p_drop=p, compute_dtype=torch.bfloat16, sparse=sparse, exact_rows=False)
+        masks = head.draw_masks(4, g)
+        logits = head.logits(hidden, clean, masks)
+        bound = head.error_scale(False) * head.product_bounds(hidden, masks, clean, logits, fused=False)
+        exact = F.linear(hidden.double().unsqueeze(1) * masks / (1 - p), weight.double())
+        assert ((logits.double() - exact).abs().amax(-1) <= bound.double() + 1e-4).all()
+        assert (bound == 0).all() == (p == 0.0)
+    for seed in range(10):
+        weight, inp = random_case(seed, GREEDY, vocab=400, d=32)
+        dm = DropMatch(DropoutHead(weight, k=5, p_drop=0.0, compute_dtype=torch.bfloat16, sparse=sparse,
+                                   exact_rows=False), "js+majority")
+        verdict = RelaxedVerification(dm).verify(_with(inp, seed))
+        assert verdict.extra_accepts == 0 and dm.counters.refined_tokens == 0
+
+
 def test_sparse_logits_match_dense_definition():
     g = torch.Generator().manual_seed(3)
     weight, hidden = torch.randn(500, 40, generator=g), torch.randn(3, 40, generator=g)
@@ -179,6 +203,7 @@ def test_p_drop_zero_under_sampling_equals_speculative_sampling(tiny, criterion)
         assert out.stats.extra_accepts == 0
         assert out.stats.criterion_evaluations > 0
         assert out.stats.accepted_per_step == sd.stats.accepted_per_step
+        assert out.token_ids == sd.token_ids
 
 
 def test_screened_tiny_pair_decisions_equal_exact(tiny):

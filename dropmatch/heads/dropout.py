@@ -73,10 +73,10 @@ def shared_transpose(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_dropout_args(k: int, p_drop: float) -> None:
-    if not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"K (number of dropout heads) must be an integer >= 1, got {k!r}")
-    if not 0.0 <= p_drop < 1.0:
-        raise ConfigError(f"p_drop must be in [0, 1), got {p_drop!r}")
+    if isinstance(p_drop, bool) or not isinstance(p_drop, (int, float)) or not 0.0 <= p_drop < 1.0:
+        raise ConfigError(f"p_drop must be a number in [0, 1), got {p_drop!r}")
 
 
 def default_head_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -141,6 +141,9 @@ class DropoutHead:
                  weight_in_compute_dtype: torch.Tensor | None = None, sparse: bool | None = None,
                  sparse_max_fraction: float = SPARSE_MAX_FRACTION, exact_rows: bool | None = None):
         check_dropout_args(k, p_drop)
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ConfigError(f"an LM-head weight is a floating-point (V, d) matrix, got {weight.dtype} "
+                              f"of shape {tuple(weight.shape)}")
         self.k, self.p_drop, self.softcap = k, float(p_drop), softcap
         if compute_dtype is None:
             compute_dtype = torch.float16 if weight.dtype == torch.float16 else torch.bfloat16
@@ -322,12 +325,16 @@ class DropoutHead:
         if self.softcap or self.compute_dtype in (torch.float32, torch.float64):  # exact: weight precision or float32
             return torch.zeros(head_logits.shape[:2], device=hidden.device)
         h = hidden.float().unsqueeze(1)
-        clean_mag = clean_logits.float().abs().amax(-1, keepdim=True)  # (n, 1)
-        head_mag = head_logits.abs().amax(-1)  # (n, K)
-        d = self.weight.shape[1]
+        clean = clean_logits.float().unsqueeze(1)  # (n, 1, V)
         if fused or not self.sparse:
-            delta_norm = (h * (keep_scale(masks, self.p_drop) - 1.0)).norm(dim=-1)
-            return rounding_bound(self.compute_dtype, d, self.max_row_norm, delta_norm, head_mag + clean_mag)
-        dropped_norm = (h * ~masks).norm(dim=-1)  # (n, K): ||h_D||
-        return rounding_bound(self.compute_dtype, d, self.max_row_norm, dropped_norm,
-                              clean_mag + (1.0 - self.p_drop) * head_mag)
+            x_norm = (h * (keep_scale(masks, self.p_drop) - 1.0)).norm(dim=-1)  # (n, K): ||delta||
+            products = head_logits - clean  # W delta
+        else:
+            x_norm = (h * ~masks).norm(dim=-1)  # (n, K): ||h_D||
+            products = clean - (1.0 - self.p_drop) * head_logits  # W[:, D] h_D
+        # The output rounding is relative to the products themselves, read back from the heads (+ the
+        # float32 rounding of that read-back). A zero input gives exactly zero products and no bound: at
+        # p_drop = 0 the heads are the clean logits, decided on as standard verification decides.
+        readback = 4 * 2.0**-23 * (clean.abs().amax(-1) + head_logits.abs().amax(-1))
+        magnitude = torch.where(x_norm > 0, products.abs().amax(-1) + readback, 0.0)
+        return rounding_bound(self.compute_dtype, self.weight.shape[1], self.max_row_norm, x_norm, magnitude)

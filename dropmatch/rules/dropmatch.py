@@ -214,8 +214,8 @@ def log_normalizer_bound(probs: torch.Tensor, err: torch.Tensor) -> torch.Tensor
     ``err`` (nats, 0 on exact tokens): Z / Z' = sum_v a'_v e^{l_v - l'_v} lies in
     [1 + sum_v a'_v (e^{-err_v} - 1), 1 + sum_v a'_v (e^{err_v} - 1)]. ``probs`` a', ``err``: (..., V)
     (broadcast) -> (...)."""
-    err = err.clamp(max=30.0)
-    up = torch.log1p((probs * torch.expm1(err)).sum(-1))
+    grow = torch.where(probs > 0, probs * torch.expm1(err), 0.0)  # inf past float32's range: no certificate
+    up = torch.log1p(grow.sum(-1))
     down = -torch.log1p((probs * torch.expm1(-err)).sum(-1).clamp(min=-1 + 1e-7))
     return 1.01 * torch.maximum(up, down) + 1e-7  # slack for the float32 sums
 
@@ -227,7 +227,8 @@ def js_error_bound(a: torch.Tensor, b: torch.Tensor, eta: torch.Tensor) -> torch
     From |a' - a| <= a (e^eta - 1), a |log(a/m)| <= a + b, and |log(a'/m') - log(a/m)| <= 2 eta:
     |dJS| <= sum_v (a'_v + b'_v) [(e^eta_v - 1) e^eta_v + eta_v].
     """
-    return ((a + b) * _g(eta.clamp(max=30.0))).sum(-1)  # past 30 nats nothing certifies anyway
+    mass = a + b
+    return torch.where(mass > 0, mass * _g(eta), 0.0).sum(-1)  # inf past float32's range: no certificate
 
 
 def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exact: torch.Tensor, draft_token: int,
@@ -418,7 +419,8 @@ class DropMatch:
             x, q = int(inp.draft_tokens[j]), inp.draft_distribution(j)
             threshold = None if thresholds is None else thresholds[j]
             if float(eps.max()) > 0:
-                for extra_margin in self.escalation:  # a wider exact set before a full exact recomputation
+                certifiable = inp.sampling.greedy or inp.sampling.top_p == 1  # top-p cuts are not continuous
+                for extra_margin in self.escalation if certifiable else ():  # a wider exact set before a full exact recomputation
                     verdict = self._certified(j, logits, eps, x, q, inp, masks, threshold, extra_margin)
                     if verdict is not None:
                         return verdict
