@@ -208,13 +208,12 @@ def cmd_draft_train(args: argparse.Namespace) -> int:
     from .draft_training import TrainConfig, train_draft
     from .paths import cache_root
 
-    pair = load_pair(args.pair, need_draft=False)
     out = args.out or str(Path(__file__).resolve().parent / "assets" / f"eagle3-{args.pair}")
     cfg = TrainConfig(out=out, work_dir=args.work_dir or str(cache_root() / f"eagle3-train-{args.pair}-s{args.seed}"),
                       budget_minutes=args.budget_minutes, data_fraction=args.data_fraction, seq_len=args.seq_len,
                       draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, batch_size=args.batch_size,
                       lr=args.lr, max_steps=args.max_steps, max_sequences=args.max_sequences, seed=args.seed)
-    manifest = train_draft(pair, cfg)
+    manifest = train_draft(load_pair(args.pair, need_draft=False), cfg)  # settings checked before the model loads
     print(json.dumps({"out": out, "steps": manifest["steps"], "val_top1_acc_per_ttt_step":
                       manifest["val_top1_acc_per_ttt_step"]}))
     return 0

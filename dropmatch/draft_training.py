@@ -20,6 +20,7 @@ tied to the target's rows (not stored) and a ``manifest.json`` (data, steps, see
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .drafters.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, init_head, save_head
+from .errors import ConfigError
 from .models import CausalLM, ModelPair
 from .paths import data_dir
 
@@ -64,6 +66,22 @@ class TrainConfig:
     checkpoint_minutes: float = 3.0
     seed: int = 0
     sources: tuple[str, ...] = ("gsm8k_train", "mmlu_dev")
+
+    def __post_init__(self) -> None:
+        at_least = {"seq_len": 2, "draft_vocab": 1, "topk": 1, "ttt_steps": 1, "batch_size": 1, "warmup_steps": 1,
+                    "intermediate_size": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 2,
+                    "val_sequences": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        for name in ("max_steps", "max_sequences"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r}")
+        if not (self.budget_minutes > 0 and self.lr > 0 and self.checkpoint_minutes > 0):
+            raise ConfigError("budget-minutes, lr and checkpoint-minutes must be > 0")
+        if not 0 < self.data_fraction < 1:
+            raise ConfigError(f"data-fraction must be in (0, 1), got {self.data_fraction!r}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -144,6 +162,22 @@ def _save_state(work: Path, state: dict) -> None:
     tmp = work / "progress.json.tmp"
     tmp.write_text(json.dumps(state))
     tmp.replace(work / "progress.json")
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()
+
+
+def _check_resumable(work: Path, state: dict, run: dict) -> None:
+    """Record what the work directory's labels and checkpoint depend on (the sequences, the draft
+    vocabulary the label ids index, the head's shape), or refuse to resume a run that differs."""
+    saved = state.setdefault("run", run)
+    changed = sorted(k for k in run if saved.get(k) != json.loads(json.dumps(run[k])))
+    if changed:
+        raise ConfigError(f"{work} holds a training run with other {', '.join(changed)} (data sources, sequence "
+                          "length, draft vocabulary, top-k or head shape); resume with its settings, or pass a "
+                          "new --work-dir")
+    _save_state(work, state)
 
 
 # ------------------------------------------------------------------------------------------
@@ -257,6 +291,8 @@ def train_draft(pair: ModelPair, cfg: TrainConfig, documents: list[str] | None =
     config = head_config(target, cfg)
     config.draft_vocab_size = int(vocab.numel())
     layers = config.feature_layers
+    _check_resumable(work, state, {"sequences": _digest(sequences), "draft_vocabulary": _digest(vocab.tolist()),
+                                   "topk": cfg.topk, "head": config.to_dict()})
     in_vocab = set(vocab.tolist())
     covered = sum(t in in_vocab for doc in token_docs for t in doc) / max(1, sum(map(len, token_docs)))
     log.info("%d documents, %d sequences of %d tokens; draft vocabulary %d covers %.1f%% of text tokens",
@@ -278,7 +314,7 @@ def train_draft(pair: ModelPair, cfg: TrainConfig, documents: list[str] | None =
             state["elapsed_s"] = elapsed()
             _save_state(work, state)
     shards = [torch.load(work / f"seq_{i:05d}.pt") for i in range(n_done)]
-    n_val = min(cfg.val_sequences, max(1, len(shards) // 10))
+    n_val = state.setdefault("n_val", min(cfg.val_sequences, max(1, len(shards) // 10)))  # fixed once set
     train_shards, val_shards = shards[n_val:], shards[:n_val]
 
     # Phase 2: training
