@@ -319,7 +319,7 @@ def dropout_paths(pair: ModelPair, examples: Sequence[Example], p_values: Sequen
 
     name = f"dropout_paths__{examples[0].task}__{slug(pair.name)}__{max_new_tokens}__seed{seed}.jsonl"
     path = Path(results_dir) / name
-    done = {(r["id"], r["p_drop"], r["head"]): r for r in read_results(path)}
+    done = {(r["id"], r["p_drop"], r["head"]): r for r in read_results(path, key="id")}
     jobs = [(ex, p, i) for ex in examples for p in p_values for i in range(k) if (ex.id, p, i) not in done]
     for ex, p, i in tqdm(jobs, desc="dropout paths", disable=not progress):
         path_seed = example_seed(seed, ex.id, i)

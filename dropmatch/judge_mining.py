@@ -148,7 +148,7 @@ def mine(pair: ModelPair, problems: Sequence[tuple[str, str]], out: str | Path, 
     out.parent.mkdir(parents=True, exist_ok=True)
     note_models(pair)
     settings = mining_settings(pair, stop, max_new_tokens, max_mismatches)
-    done = {r["problem"]: r for r in read_results(out) if r.get("settings") == settings}
+    done = {r["problem"]: r for r in read_results(out, key="problem") if r.get("settings") == settings}
     miner = Miner(pair, answer, stop, max_new_tokens, max_mismatches)
     todo = [(pid, text) for pid, text in problems if pid not in done]
     for pid, text in tqdm(todo, desc="mining", disable=not progress, initial=len(problems) - len(todo),

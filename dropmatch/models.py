@@ -373,9 +373,14 @@ def _from_pretrained(loader, name: str, **kwargs):
     if local.exists() and not (local / "config.json").exists():
         raise ModelNotFoundError(f"cannot load {name!r}: the directory {local} holds no loadable model "
                                  f"(no config.json). {_LOCAL_WEIGHTS_HINT}")
+    from huggingface_hub.errors import HFValidationError
+
     online, why = (True, "") if local.exists() else hub_reachable()
     try:  # offline, only the local Hugging Face cache is searched: no slow retries
         return loader.from_pretrained(name, local_files_only=not online, **kwargs)
+    except HFValidationError:
+        raise ModelNotFoundError(f"cannot load {name!r}: there is no such directory, and it is not a Hugging Face "
+                                 f"hub id (ORG/NAME). {_LOCAL_WEIGHTS_HINT}") from None
     except OSError as err:
         problem = _access_problem(err) if online else None
         if problem is not None:

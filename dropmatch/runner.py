@@ -45,24 +45,30 @@ from .tasks import Example, chat_prompt, cut_output, generation_defaults, load_t
 from .tasks.llm_judge import JudgeEndpoint, judge_example, load_judge_prompts
 
 
-def read_results(path: Path, repair: bool = True) -> list[dict]:
-    """Records in ``path``. A torn last line (a writer killed mid-line) is skipped and, with
-    ``repair`` (the writer resuming), cut off the file; a corrupt line before the last is an error."""
+def read_results(path: Path, repair: bool = True, key: str | None = None) -> list[dict]:
+    """Records in ``path`` (JSON objects, one per line, each with ``key`` if given). A torn last line (a writer killed
+    mid-line: the start of a record, no newline) is skipped and, with ``repair`` (the writer resuming),
+    cut off the file. Any other line that is not a record is an error, so a file that is not a results
+    file is never truncated or appended to."""
     path = Path(path)
     if not path.exists():
         return []
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file")
     data = path.read_bytes()
     lines = data.splitlines(keepends=True)
     records, good_end = [], 0
     for n, line in enumerate(lines):
+        if not line.endswith(b"\n") and n == len(lines) - 1 and line.startswith(b'{"'):
+            break  # torn write
         try:
-            if not line.endswith(b"\n"):
-                raise json.JSONDecodeError("no newline", line.decode("utf-8", "replace"), len(line))
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if n < len(lines) - 1:
-                raise ConfigError(f"{path}: line {n + 1} is corrupt (not the last line, so not a torn write)") from None
-            break
+            record = json.loads(line)
+        except ValueError:  # malformed JSON or not UTF-8
+            record = None
+        if not isinstance(record, dict) or (key is not None and key not in record):
+            raise ConfigError(f"{path}: line {n + 1} is not a results record; not touching the file "
+                              "(pass another --out, or repair it by hand)")
+        records.append(record)
         good_end += len(line)
     if repair and good_end < len(data):
         with path.open("r+b") as f:
@@ -153,7 +159,7 @@ class GreedyReference:
         self.identity = model_identity(pair)
         note_models(pair)
         self.cache = Path(cache) if cache else None
-        self._known = {r["key"]: r for r in read_results(self.cache)} if self.cache else {}
+        self._known = {r["key"]: r for r in read_results(self.cache, key="key")} if self.cache else {}
 
     def key(self, prompt_ids: Sequence[int]) -> str:
         # the decoding method is in the key: references an older version built with SD are not reused
@@ -334,7 +340,7 @@ def _records_to_resume(out: Path, wanted: dict, fidelity: bool) -> dict[str, dic
     """The records already in ``out`` by id (a torn last line cut off); ``ConfigError`` if they come
     from another configuration."""
     done_by_id: dict[str, dict] = {}
-    for record in read_results(out):
+    for record in read_results(out, key="id"):
         differs = [k for k, v in wanted.items() if record.get(k, OLD_RECORD_DEFAULTS.get(k)) != v]
         if differs:
             raise ConfigError(

@@ -184,6 +184,18 @@ def test_head_for_another_vocabulary_is_refused(pair, tmp_path):
         load_head(tmp_path / "other", target)
 
 
+def test_missing_or_malformed_head_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for missing in (tmp_path / "no" / "such" / "head", "./rel/missing/head"):
+        with pytest.raises(ModelNotFoundError, match="no such directory|not in the local"):
+            load_head(missing)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_head(bad)
+
+
 def test_tied_round_trip_stores_no_lm_head(pair, tmp_path):
     target = pair.target
     head = init_head(tiny_head_config(target, 32, tie_lm_head_to_target=True), target, torch.arange(10, 42))

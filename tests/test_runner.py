@@ -199,3 +199,20 @@ def test_the_writers_lock_excludes_a_second_holder_in_the_same_process(tmp_path)
     assert lock_path(out).read_text() == ""  # released: no stale pid left behind
     with results_lock(out):
         pass
+
+
+@pytest.mark.parametrize("content", [b"my precious notes\n", b"my precious notes", b'{"id": "a"}\nnot json\n',
+                                     b"[1, 2]\n", b"null\n", b"\xff\xfe notes\n", b'{"no_id": 1}\n'])
+def test_a_file_that_is_not_a_results_file_is_refused_and_left_untouched(tmp_path, content):
+    out = tmp_path / "notes.txt"
+    out.write_bytes(content)
+    with pytest.raises(ConfigError, match="not a results record"):
+        read_results(out, key="id")
+    assert out.read_bytes() == content
+
+
+def test_only_a_torn_record_at_the_end_is_cut(tmp_path):
+    out = tmp_path / "r.jsonl"
+    out.write_bytes(b'{"id": "a"}\n{"id": "b", "out')
+    assert read_results(out, key="id") == [{"id": "a"}]
+    assert out.read_bytes() == b'{"id": "a"}\n'

@@ -336,7 +336,11 @@ def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torc
     that the head fits it (vocabulary and hidden size). ``dtype`` defaults to the target's.
     """
     directory = resolve_head_dir(source)
-    config = Eagle3Config.from_dict(json.loads((directory / "config.json").read_text()))
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except ValueError as err:
+        raise ConfigError(f"EAGLE-3 head {source}: config.json is not valid JSON ({err})") from None
+    config = Eagle3Config.from_dict(raw)
     weights = {}
     for name, value in _read_weights(directory).items():
         key = _normalize_name(name)
