@@ -10,6 +10,7 @@ One speculative step (draft length L):
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,7 +81,28 @@ def _cut_output(output: list[int], keep: int, stats: GenerationStats, last_targe
     del output[max(keep, 0) :]
 
 
+def prompt_tensor(target: CausalLM, prompt_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """The prompt as a (T,) int64 tensor on the target's device; ``ConfigError`` for anything that is not
+    one sequence of token ids within the target's vocabulary."""
+    if torch.is_tensor(prompt_ids):
+        ids = prompt_ids
+    else:
+        listed = list(prompt_ids)
+        ids = torch.as_tensor(listed) if listed else torch.zeros(0, dtype=torch.long)
+    if (ids.dim() > 1 and ids.shape[0] != 1) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ConfigError(f"the prompt must be one sequence of integer token ids, got {ids.dtype} of shape "
+                          f"{tuple(ids.shape)} (batches are not supported: decode one prompt at a time)")
+    ids = ids.reshape(-1).to(torch.long)
+    vocab = target.model.get_input_embeddings().num_embeddings
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ConfigError(f"prompt token ids must be in [0, {vocab}), got ids from {int(ids.min())} to {int(ids.max())}")
+    return ids.to(target.device)
+
+
 def check_lengths(target: CausalLM, n_prompt: int, max_new_tokens: int, draft_len: int) -> None:
+    for name, value in (("max_new_tokens", max_new_tokens), ("draft length", draft_len)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
     if n_prompt < 1:
         raise ConfigError("the prompt is empty: pass at least one token (e.g. the BOS token)")
     if max_new_tokens < 1:
@@ -118,10 +140,9 @@ def generate(
     """
     sampling = sampling or SamplingConfig()
     rule = rule or StandardVerification()
-    prompt = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids,
-                             dtype=torch.long, device=target.device).view(-1)
+    prompt = prompt_tensor(target, prompt_ids)
     check_lengths(target, prompt.numel(), max_new_tokens, draft_len)
-    eos = set(int(i) for i in eos_token_ids)
+    eos = {int(eos_token_ids)} if isinstance(eos_token_ids, int) else set(int(i) for i in eos_token_ids)
     stats = GenerationStats()
     generator = torch.Generator().manual_seed(seed)
     device = target.device

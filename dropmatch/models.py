@@ -48,6 +48,20 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` this torch can use, or a ``ConfigError`` saying why not."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {str(device)!r} asked for, but this torch sees no CUDA GPU "
+                          f"(torch {torch.__version__}); use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {str(device)!r} asked for, but only {torch.cuda.device_count()} CUDA GPU(s) exist")
+    return device
+
+
 class CausalLM:
     """A Hugging Face causal LM split into trunk and head.
 
@@ -325,7 +339,7 @@ def load_pair(
         raise ConfigError(f"device_map applies to hub models (--target/--draft), not to the pair {pair!r}")
     if device is None and pair == GEMMA_PAIR and target is None:
         device = "cpu"  # its int8 draft runs on CPU only
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device) if device is not None else default_device()
     if target is not None or draft is not None:
         if target is None:
             raise ConfigError("--draft was given without --target; pass both, or use --pair")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import ConfigError
 from .runner import read_results
 from .tasks.metrics import answers_agree
 
@@ -230,5 +231,12 @@ COLUMNS = ["task", "method", "n", "tau", "paper_tau", "tokens/s", "tokens/s pool
 
 
 def summarize_files(paths: Sequence[str | Path], baseline: str = "sd") -> list[dict]:
-    records = [r for p in paths for r in read_results(Path(p), repair=False)]
+    records = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise ConfigError(f"no such results file: {path}")
+        found = read_results(path, repair=False, key="id")
+        if not found:
+            raise ConfigError(f"no results in {path}")
+        records += found
     return summarize_records(records, baseline)

@@ -164,6 +164,20 @@ def test_bad_lengths(tiny):
         generate(tiny.target, [], max_new_tokens=10)
     with pytest.raises(ConfigError, match="draft length"):
         generate(tiny.target, [2, 5], drafter=NgramDrafter(), draft_len=0)
+    vocab = tiny.target.model.get_input_embeddings().num_embeddings
+    for prompt, match in (([2, vocab], "token ids"), ([-1, 5], "token ids"), (torch.tensor([[2, 5], [3, 4]]), "one"),
+                          (torch.tensor([2.0, 5.0]), "integer")):
+        with pytest.raises(ConfigError, match=match):
+            generate(tiny.target, prompt, max_new_tokens=4)
+    with pytest.raises(ConfigError, match="max_new_tokens must be an integer"):
+        generate(tiny.target, [2, 5], max_new_tokens=4.5)
+    with pytest.raises(ConfigError, match="draft length must be an integer"):
+        generate(tiny.target, [2, 5], drafter=NgramDrafter(), draft_len=2.5)
+
+
+def test_a_single_eos_id_and_a_one_row_batch_are_accepted(tiny):
+    plain = generate(tiny.target, [2, 5, 7], max_new_tokens=6, eos_token_ids=[1]).token_ids
+    assert generate(tiny.target, torch.tensor([[2, 5, 7]]), max_new_tokens=6, eos_token_ids=1).token_ids == plain
 
 
 def test_ngram_lookup():

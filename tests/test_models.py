@@ -293,3 +293,14 @@ def test_verify_step_screens_only_for_rules_that_take_screened_logits(tiny):
     assert not RelaxedVerification(TopK(3)).screened_logits_ok
     assert not AnyOf([DropMatch(sparse32, "naive"), TopK(3)]).screened_logits_ok
     assert AnyOf([DropMatch(sparse32, "naive")]).screened_logits_ok
+
+
+def test_unusable_devices_are_clear_errors():
+    from dropmatch.models import resolve_device
+
+    with pytest.raises(ConfigError, match="unknown device"):
+        load_pair("tiny", device="bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA GPU"):
+            load_pair("tiny", device="cuda")
+    assert resolve_device("cpu") == torch.device("cpu")

@@ -216,3 +216,11 @@ def test_only_a_torn_record_at_the_end_is_cut(tmp_path):
     out.write_bytes(b'{"id": "a"}\n{"id": "b", "out')
     assert read_results(out, key="id") == [{"id": "a"}]
     assert out.read_bytes() == b'{"id": "a"}\n'
+
+
+def test_summarizing_a_missing_or_empty_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such results file"):
+        summarize_files([tmp_path / "none.jsonl"])
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="no results"):
+        summarize_files([tmp_path / "empty.jsonl"])
