@@ -296,13 +296,18 @@ def _exact_t4_marginal(target, prompt, vocab, sampling):
 def test_speculative_sampling_with_eagle3_preserves_target_distribution():
     """Tokens 2-3 (joint) and 4 of SD runs at L = 3 (draft vocabulary 6 of 10) match plain sampling;
     every other run's proposals stop after a draft token of probability below 0.3 (a biased stop
-    would bias the pooled counts)."""
+    would bias the pooled counts). The head is ``init_head``'s logit lens over the target's 6 likeliest
+    next tokens, close enough to the target that drafts are accepted at every depth (counted), so
+    positions 2 and 3 are tested too."""
     vocab = 10
     pair = make_tiny("llama", seed=5, vocab_size=vocab)
     target = pair.target
-    head = random_head(target, 6, seed=7, scale=3.0)
     sampling = SamplingConfig(1.0)
     prompt = torch.tensor([2, 3, 4, 3, 5, 3])
+    with torch.no_grad():
+        likeliest = target.model(prompt[None]).logits[0, -1].topk(6).indices
+    head = init_head(tiny_head_config(target, 6), target, likeliest, seed=7).eval().requires_grad_(False)
+    first_step = torch.zeros(4, dtype=torch.long)  # runs whose first step accepted 0..3 draft tokens
     joint = _exact_joint(target, prompt, vocab, sampling).flatten()
     t4 = _exact_t4_marginal(target, prompt, vocab, sampling)
     counts, counts4 = torch.zeros(vocab * vocab), torch.zeros(vocab)
@@ -315,7 +320,9 @@ def test_speculative_sampling_with_eagle3_preserves_target_distribution():
         counts4[out.token_ids[3]] += 1
         drafted += max(out.stats.drafted_per_step, default=0) == 3
         stopped += stop_below is not None and out.stats.drafted_per_step[0] < 3
+        first_step[out.stats.accepted_per_step[0]] += 1
     assert drafted > 0 and stopped > 0
+    assert first_step[2] >= 50 and first_step[3] >= 50, first_step  # draft positions 2 and 3 are accepted
     for observed, expected in ((counts, joint), (counts4, t4)):
         keep = expected * observed.sum() >= 5
         assert observed[expected == 0].sum() == 0  # no token of zero probability is ever emitted
