@@ -76,7 +76,7 @@ def check_dropout_args(k: int, p_drop: float) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"K (number of dropout heads) must be an integer >= 1, got {k!r}")
     if isinstance(p_drop, bool) or not isinstance(p_drop, (int, float)) or not 0.0 <= p_drop < 1.0:
-        raise ConfigError(f"p_drop must be a number in [0, 1), got {p_drop!r}")
+        raise ConfigError(f"p_drop must be in [0, 1), got {p_drop!r}")
 
 
 def default_head_dtype(weight: torch.Tensor) -> torch.dtype:
