@@ -40,7 +40,7 @@ bench-dropmatch: $(STAMP)
 	$(PY) -m dropmatch.benchmarks.dropmatch_overhead
 
 gpu-check: $(STAMP)
-	$(PY) -m dropmatch.benchmarks.gpu_check
+	$(PY) -m dropmatch.benchmarks.gpu_check $(ARGS)
 
 # EAGLE-3 head for the embedded pair (regenerates dropmatch/assets/eagle3-gemma-3-270m; resumable)
 DRAFT_MINUTES ?= 58

@@ -30,6 +30,13 @@ def dense_reference(criterion: str, weight: torch.Tensor, inp: VerifyInput, mask
                     seed: int) -> tuple[int, int]:
     """(accepted, extra accepts) from heads F.linear(h * m / (1 - p), W) in float64, written apart
     from the package: greedy exact match / speculative sampling, then the criterion where it rejects."""
+    return dense_reference_with_evaluations(criterion, weight, inp, masks, p, seed)[:2]
+
+
+def dense_reference_with_evaluations(criterion: str, weight: torch.Tensor, inp: VerifyInput, masks: torch.Tensor,
+                                     p: float, seed: int) -> tuple[int, int, int]:
+    """:func:`dense_reference` and the positions a lazy rule must evaluate the criterion at: those the
+    standard rule rejects, up to the first one the criterion rejects too."""
     w = weight.double()
     n = inp.n_draft
     exact_clean = F.linear(inp.hidden.double(), w)
@@ -60,8 +67,10 @@ def dense_reference(criterion: str, weight: torch.Tensor, inp: VerifyInput, mask
         decisions.append({"naive": naive, "majority": majority, "js": js, "js+majority": js or majority}[criterion])
     for j in range(n):
         if not (standard[j] or decisions[j]):
-            return j, sum(1 for i in range(j) if not standard[i])
-    return n, sum(1 for s in standard if not s)
+            extra = sum(1 for i in range(j) if not standard[i])
+            return j, extra, extra + 1
+    extra = sum(1 for s in standard if not s)
+    return n, extra, extra
 
 
 def random_case(seed: int, sampling: SamplingConfig, vocab: int = 60, d: int = 24, n_draft: int = 5):
@@ -84,29 +93,57 @@ def _with(inp: VerifyInput, seed: int, logits: torch.Tensor | None = None) -> Ve
                        logits_screened=logits is not None)
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
+
+
+def _on(inp: VerifyInput, device: str) -> VerifyInput:
+    """The step's tensors on ``device`` (its generator stays the step's CPU generator)."""
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return VerifyInput(move(inp.draft_tokens), move(inp.draft_probs), move(inp.target_logits), move(inp.hidden),
+                       inp.sampling, inp.generator, move(inp.draft_logits))
+
+
+DEFAULT_PATH = {"compute_dtype": None}
+
+
+def _paths(device: str) -> list[dict]:
+    """The head paths to check on ``device``: float32 sparse and dense products, the default (CPUs with
+    oneDNN: one of the float32 paths; elsewhere bfloat16 products with certified decisions), exact rows
+    where oneDNN runs, and on CUDA the bfloat16 sparse and dense paths forced."""
+    paths = [{"sparse": True}, {"sparse": False}, DEFAULT_PATH]
+    if device == "cpu":
+        return paths + ([{"exact_rows": True}] if onednn_linear_supported() else [])
+    return paths + [{"sparse": True, "compute_dtype": None}, {"sparse": False, "compute_dtype": None}]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("p_drop", [0.0, 0.03, 0.3])
 @pytest.mark.parametrize("criterion", CRITERIA)
-def test_sparse_and_dense_paths_equal_dense_float64(criterion, p_drop, sampling):
-    """The three paths (sparse and dense with float32 products, exact rows where oneDNN runs) take the
-    decisions of an independent float64 dense computation, evaluating the criterion only where needed;
+def test_sparse_and_dense_paths_equal_dense_float64(criterion, p_drop, sampling, device):
+    """The head paths on each device (sparse and dense with float32 or, certified, bfloat16 products;
+    exact rows where oneDNN runs) take the decisions of an independent float64 dense computation on
+    the CPU over the same masks (drawn on the device), evaluating the criterion only where needed;
     and they accept beyond the standard rule at p > 0."""
-    extra = evaluated = 0
+    extra = skipped = 0
     for seed in range(40):
         weight, inp = random_case(seed, sampling)
-        masks = DropoutHead(weight, k=5, p_drop=p_drop).draw_masks(inp.n_draft, torch.Generator().manual_seed(seed),
-                                                                  consume=sampling.greedy)
-        expected = dense_reference(criterion, weight, inp, masks, p_drop, seed)
-        paths = [{"sparse": True}, {"sparse": False}, {}] + ([{"exact_rows": True}] if onednn_linear_supported() else [])
-        for path in paths:
-            head = DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.float32, **path)
-            if not path:  # the default: on CPUs with oneDNN, one of the two float32 paths by K p_drop
+        weight_on = weight.to(device)
+        masks = DropoutHead(weight_on, k=5, p_drop=p_drop).draw_masks(
+            inp.n_draft, torch.Generator().manual_seed(seed), consume=sampling.greedy)
+        assert masks.device.type == device
+        *expected, evaluations = dense_reference_with_evaluations(criterion, weight, inp, masks.cpu(), p_drop, seed)
+        expected = tuple(expected)
+        for path in _paths(device):
+            head = DropoutHead(weight_on, k=5, p_drop=p_drop, **({"compute_dtype": torch.float32} | path))
+            if path == DEFAULT_PATH and device == "cpu":  # on CPUs with oneDNN, one of the two float32 paths by K p_drop
                 assert head.exact_rows == (onednn_linear_supported() and 5 * p_drop > SPARSE_FLOAT32_MAX_DROPPED)
-            verdict = RelaxedVerification(DropMatch(head, criterion)).verify(_with(inp, seed))
+            verdict = RelaxedVerification(DropMatch(head, criterion)).verify(_with(_on(inp, device), seed))
             assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, path)
+            assert verdict.criterion_evaluations == evaluations, (seed, path)  # lazily: only where needed
             extra += verdict.extra_accepts
-            evaluated += verdict.criterion_evaluations
-    assert evaluated < 40 * 3 * 5  # lazily: not every position
+            skipped += 5 - evaluations
+    assert skipped > 0  # some positions were never evaluated
     if p_drop == 0.0:
         assert extra == 0  # p_drop = 0 is standard verification, greedy and sampled
     elif p_drop == 0.3:

@@ -1,14 +1,22 @@
 """The one prepared device check of the DropMatch issue: ``python -m dropmatch.benchmarks.gpu_check``.
 
-1. The CUDA path against the CPU path on the tiny random pair: DropMatch (float32 heads) must emit the
-   same tokens on both.
-2. The head overhead at Llama-3.1-8B's shape (hidden 4096, vocabulary 128,256, random bf16 weights):
-   K = 5 dropout heads plus the js+majority rule at L + 1 = 6 positions, as a percentage of one 8B
-   forward pass over 6 tokens. The forward is timed as a stack of 32 random layers of that shape (their
-   weight matrices applied in sequence; attention over 6 tokens is negligible) plus embedding lookup and
-   head, and also estimated as the ~16 GB of bf16 weights over the memory bandwidth measured by a copy.
+1. The CUDA path against the CPU path on the tiny random pair: greedy SD and DropMatch at p_drop = 0
+   (float32 heads) must emit the same tokens on both. (At p_drop > 0 each device draws its own masks;
+   ``tests/test_sparse_heads.py`` and ``tests/test_cuda.py`` check the CUDA heads' decisions and the
+   CUDA decoding paths, EAGLE-3 included: ``pytest tests/test_cuda.py tests/test_sparse_heads.py``.)
+2. The head overhead at Llama-3.1-8B's shape (hidden 4096, vocabulary 128,256, random bf16 weights),
+   and at the embedded Gemma-3-270M's (hidden 640, vocabulary 262,144, 18 layers):
+   K = 5 dropout heads plus the js+majority rule at L + 1 = 6 positions, as a percentage of one
+   forward pass over 6 tokens. The forward is timed as a stack of random layers of that shape (32 for
+   8B; their weight matrices applied in sequence; attention over 6 tokens is negligible) plus embedding
+   lookup and head, and also estimated as the bf16 weights (~16 GB for 8B) over the memory bandwidth
+   measured by a copy.
    The paper reports 1.64 % (Table 4, 70B on A100s). Mask generation (on the device) is timed with
    the heads; the path (sparse dropped columns or dense GEMM) follows DropoutHead's cost rule.
+   Beside it, the engine's own rule on one greedy verify step (:func:`rule_overhead`: the standard rule
+   against RelaxedVerification + DropMatch, lazy and certified, one evaluated position), the cost of
+   every position's decision in a few batched ops (uncertified float32: a floor for such a path), and with
+   ``--profile ROWS`` the torch profiler's top ops of that step and its op and kernel-launch counts.
 3. Greedy SD vs greedy AR on a few prompts (tiny pair, bfloat16 on the device): the share of prompts and
    of tokens where they differ (``sd_ar_mismatch``; near-ties in bfloat16 can make them differ).
 
@@ -27,8 +35,10 @@ import torch.nn.functional as F
 
 from ..heads.dropout import DropoutHead
 from ..models import ModelPair
-from ..rules.dropmatch import decide
-from ..sampling import SamplingConfig
+from ..rules import RelaxedVerification, StandardVerification, VerifyInput
+from ..rules.divergence import js_divergence
+from ..rules.dropmatch import DropMatch, decide
+from ..sampling import SamplingConfig, argmax
 from .common import format_table, machine_line
 
 
@@ -48,6 +58,8 @@ class Shape:
 
 
 SMALL = Shape(hidden=256, intermediate=512, kv_dim=64, layers=2, vocab=4096)
+# the embedded target's shape (its attention's 4 x 256 query width approximated by the hidden width)
+GEMMA_270M = Shape(hidden=640, intermediate=2048, kv_dim=256, layers=18, vocab=262_144)
 
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -69,20 +81,22 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
 
 def cuda_matches_cpu(pair: ModelPair | None = None, prompt: list[int] | None = None,
                      max_new_tokens: int = 32) -> bool | None:
-    """Whether DropMatch gives the same tokens on CUDA as on CPU for ``pair`` (default: the tiny
-    random pair, loaded on the CPU; it is moved to CUDA); None without CUDA."""
+    """Whether the CUDA path emits the CPU path's tokens (float32 models and heads) for greedy SD and
+    for DropMatch at p_drop = 0, which is standard verification on any device (at p_drop > 0 the masks,
+    drawn on each device's own generator, differ by device); None without CUDA. ``pair`` defaults to
+    the tiny random pair, loaded on the CPU and then moved to CUDA."""
     if not torch.cuda.is_available():
         return None
     from ..methods import Decoder, MethodConfig
     from ..models import load_pair
 
     pair = pair or load_pair("tiny", device="cpu")
-    prompt = prompt or pair.encode("Speculative decoding on two devices")
-    config = MethodConfig("dropmatch", head_dtype="float32")
-    cpu = Decoder(pair, config).generate(prompt, max_new_tokens).token_ids
+    prompt = pair.encode("Speculative decoding on two devices") if prompt is None else prompt
+    configs = (MethodConfig("sd"), MethodConfig("dropmatch", p_drop=0.0, head_dtype="float32"))
+    cpu = [Decoder(pair, c).generate(prompt, max_new_tokens).token_ids for c in configs]
     pair.target.model.cuda()
     pair.draft.model.cuda()
-    gpu = Decoder(pair, config).generate(prompt, max_new_tokens).token_ids
+    gpu = [Decoder(pair, c).generate(prompt, max_new_tokens).token_ids for c in configs]
     return gpu == cpu
 
 
@@ -139,7 +153,7 @@ def head_overhead(shape: Shape, device: torch.device, k: int = 5, p_drop: float 
         x = embedding[ids]
         for wq, wk, wv, wo, wg, wu, wd in layers:
             q, _, v = F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
-            x = x + F.linear(q + v.repeat(1, shape.hidden // shape.kv_dim), wo)
+            x = x + F.linear(q + v.repeat(1, -(-shape.hidden // shape.kv_dim))[:, : shape.hidden], wo)
             x = x + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
         return F.linear(x, head)
 
@@ -166,7 +180,79 @@ def head_overhead(shape: Shape, device: torch.device, k: int = 5, p_drop: float 
     return {"forward_ms": 1e3 * forward_s, "bandwidth_forward_ms": 1e3 * estimate_s, "clean_head_ms": 1e3 * head_s,
             "dropmatch_ms": 1e3 * dm_s, "bandwidth_GBps": bandwidth / 1e9,
             "overhead_vs_timed_forward_pct": 100 * dm_s / forward_s,
-            "overhead_vs_bandwidth_forward_pct": 100 * dm_s / estimate_s}
+            "overhead_vs_bandwidth_forward_pct": 100 * dm_s / estimate_s, "sparse_path": float(dropout.sparse)}
+
+
+def rule_overhead(shape: Shape, device: torch.device, criterion: str = "js+majority", k: int = 5,
+                  p_drop: float = 0.3, draft_len: int = 5, logit_std: float = 4.0, repeats: int = 20,
+                  seed: int = 0, profile_rows: int = 0) -> dict[str, float]:
+    """The engine's verification rules on one greedy verify step at ``shape`` (random bfloat16 head,
+    hidden states scaled so the clean logits have standard deviation ``logit_std``, which makes them
+    peaked as a trained model's are): the draft is the target's argmax except at position 2, where it
+    is the best token below the maximum, so the standard rule rejects there and DropMatch evaluates its criterion (lazily,
+    masks drawn inside the step), as in a step of tau ~3. Times (ms) of the standard rule and of
+    DropMatch (RelaxedVerification + DropMatch, the engine's rule), the criterion evaluations and exact
+    fallbacks per step. With ``profile_rows``, prints the torch profiler's top ops of the DropMatch step
+    (by device time) and returns the ops launched per step."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    weight = (torch.randn(shape.vocab, shape.hidden, generator=gen) * shape.hidden ** -0.5).to(device, torch.bfloat16)
+    hidden = (torch.randn(draft_len + 1, shape.hidden, generator=gen) * logit_std).to(device, torch.bfloat16)
+    logits = F.linear(hidden, weight).float()
+    draft = argmax(logits[:draft_len])  # the standard rule's own tie-break (bfloat16 logits do tie)
+    reject_at = min(2, draft_len - 1)
+    below_top = logits[reject_at].clone()
+    below_top[below_top == below_top.max()] = float("-inf")
+    draft[reject_at] = argmax(below_top)  # a token strictly below the maximum: the standard rule rejects it
+    draft_logits = logits[:draft_len] + torch.randn(logits[:draft_len].shape, generator=gen).to(device)
+    head = DropoutHead(weight, k=k, p_drop=p_drop)
+    rules = {"standard": StandardVerification(), "dropmatch": RelaxedVerification(DropMatch(head, criterion))}
+
+    def step(rule) -> object:
+        inp = VerifyInput(draft, None, logits, hidden, SamplingConfig(), torch.Generator().manual_seed(seed),
+                          draft_logits=draft_logits)
+        return rule.verify(inp)
+
+    def batched() -> list[bool]:
+        """Every position's js+majority decision in a few whole-step ops and one host read, from the
+        heads' float32 logits (bfloat16 products) with no error bounds: what a batched path would cost,
+        not a certified rule."""
+        masks = head.draw_masks(draft_len, torch.Generator().manual_seed(seed))
+        heads = head.logits(hidden[:draft_len], logits[:draft_len], masks)  # (L, K, V)
+        votes = (heads.argmax(-1) == draft.unsqueeze(-1)).sum(-1) * 2 > k
+        centre = torch.softmax(heads.mean(1), -1).unsqueeze(1)  # (L, 1, V)
+        radius = js_divergence(torch.softmax(heads, -1), centre).amax(-1)
+        q = torch.softmax(draft_logits, -1)
+        return (votes | (js_divergence(q, centre.squeeze(1)) <= radius)).tolist()
+
+    assert step(rules["standard"]).n_accepted == reject_at, "the step must reject at the planned position"
+    times = {name: _timed(lambda r=rule: step(r), device, repeats) for name, rule in rules.items()}
+    times["batched"] = _timed(batched, device, repeats)
+    verdict = step(rules["dropmatch"])
+    counters = rules["dropmatch"].criterion.counters
+    steps = repeats + 2  # the warm-up, the timed calls and the verdict above
+    result = {"standard_rule_ms": 1e3 * times["standard"], "dropmatch_rule_ms": 1e3 * times["dropmatch"],
+              "batched_all_positions_uncertified_ms": 1e3 * times["batched"],
+              "evaluations_per_step": counters.evaluations / steps, "exact_fallbacks_per_step":
+              counters.exact_fallbacks / steps, "accepted": float(verdict.n_accepted), "sparse_path": float(head.sparse)}
+    if profile_rows:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                step(rules["dropmatch"])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        events = prof.key_averages()
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"# profile of the DropMatch rule step ({criterion}, p_drop={p_drop}), 5 steps")
+        print(events.table(sort_by=sort, row_limit=profile_rows))
+        launches = sum(e.count for e in events if "LaunchKernel" in e.key)  # runtime and driver API
+        top_level = [e for e in prof.events() if e.name.startswith("aten::")
+                     and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+        result["kernel_launches_per_step"] = launches / 5
+        result["aten_ops_per_step"] = len(top_level) / 5  # ops called from Python, not the ops inside them
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,13 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="a reduced shape (for CPU smoke runs)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="print the torch profiler's top ROWS ops of the DropMatch rule step")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    shape = SMALL if args.small else Shape()
-    print(f"# DropMatch device check on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}"
-          f"{machine_line()}); shape {shape}")
+    shapes = {"small": SMALL} if args.small else {"llama-3.1-8b": Shape(), "gemma-3-270m": GEMMA_270M}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    print(f"# DropMatch device check on {device} ({name}{machine_line()}); shapes {shapes}")
     same = cuda_matches_cpu()
-    print(f"CUDA tokens equal CPU tokens (tiny pair, DropMatch, float32 heads): "
+    print(f"CUDA tokens equal CPU tokens (tiny pair, SD and DropMatch at p_drop 0, float32 heads): "
           f"{'n/a (no CUDA)' if same is None else same}")
     from ..models import load_pair
 
@@ -189,9 +277,16 @@ def main(argv: list[str] | None = None) -> None:
     mismatch = sd_ar_mismatch(bf16, [bf16.encode(p) for p in prompts], max_new_tokens=16 if args.small else 32)
     print(f"greedy SD vs AR (tiny pair, bfloat16, {device}): " + ", ".join(f"{k} {v:.4g}" for k, v in mismatch.items()))
     rows = []
-    for p_drop in (0.032, 0.3):  # the equal-noise p_drop of a 640-wide model, and the paper's default
-        result = head_overhead(shape, device, p_drop=p_drop, repeats=args.repeats)
-        rows += [{"quantity": f"{key} (p_drop={p_drop})", "value": value} for key, value in result.items()]
+    for shape_name, shape in shapes.items():
+        for p_drop in (0.032, 0.3):  # the equal-noise p_drop of a 640-wide model, and the paper's default
+            result = head_overhead(shape, device, p_drop=p_drop, repeats=args.repeats)
+            rows += [{"quantity": f"{shape_name}: {key} (p_drop={p_drop})", "value": value}
+                     for key, value in result.items()]
+            rule = rule_overhead(shape, device, p_drop=p_drop, repeats=args.repeats, profile_rows=args.profile)
+            rule["rule_overhead_vs_timed_forward_pct"] = 100 * (
+                rule["dropmatch_rule_ms"] - rule["standard_rule_ms"]) / result["forward_ms"]
+            rows += [{"quantity": f"{shape_name}: engine rule {key} (p_drop={p_drop})", "value": value}
+                     for key, value in rule.items()]
     rows.append({"quantity": "paper overhead (Table 4, K=5)", "value": 1.64})
     print(format_table(rows, ["quantity", "value"]))
 
