@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
-from .errors import DropMatchError
+from .errors import ConfigError, DropMatchError
 from .fidelity import compare_to_greedy, summarize_fidelity
 from .methods import METHODS, Decoder, MethodConfig
 from .models import GEMMA_PAIR, PAIRS, load_pair
@@ -69,6 +70,8 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
 
 
 def method_config(args: argparse.Namespace) -> MethodConfig:
+    if getattr(args, "draft_head", None) and args.draft != "eagle3":
+        raise ConfigError("--draft-head names an EAGLE-3 head: pass it with --draft eagle3")
     return MethodConfig(
         method=args.method, draft=args.draft if args.draft in ("ngram", "eagle3") else "model",
         draft_head=getattr(args, "draft_head", None), draft_stop=getattr(args, "draft_stop", None),
@@ -92,13 +95,14 @@ def pair_from_args(args: argparse.Namespace, config: MethodConfig):
                          need_draft=need_draft, device_map=getattr(args, "device_map", None))
     if draft_model is not None:
         raise DropMatchError("--draft ID needs --target ID; with --pair only --draft ngram is accepted")
-    return load_pair(args.pair, dtype=args.dtype, device=args.device, need_draft=need_draft)
+    return load_pair(args.pair, dtype=args.dtype, device=args.device, need_draft=need_draft,
+                     device_map=getattr(args, "device_map", None))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_file is None):
         raise DropMatchError("pass exactly one of --prompt TEXT or --prompt-file FILE")
-    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
+    prompt = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "prompt")
     config = method_config(args)
     sampling = SamplingConfig(args.temperature, args.top_p)
     decoder = Decoder(pair_from_args(args, config), config, sampling)
@@ -132,18 +136,40 @@ def fidelity_of(decoder: Decoder, prompts: list[str], outputs: list[list[int]], 
     return results
 
 
+def read_text_file(path: str, what: str) -> str:
+    """The UTF-8 text of a user-given file, or a ConfigError saying why it cannot be read."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"no {what} file at {path}" + (" (it is a directory)" if file.is_dir() else ""))
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what} file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def read_prompts(path: str) -> list[str]:
-    """Prompts from a text file (one per line) or a JSON-lines file (field ``prompt``)."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    if path.endswith(".jsonl"):
-        return [json.loads(line)["prompt"] for line in lines]
-    return [line.replace("\\n", "\n") for line in lines]
+    """Prompts from a text file (one per line) or a JSON-lines file (a string field ``prompt`` per line)."""
+    lines = [(n, line) for n, line in enumerate(read_text_file(path, "prompts").splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ConfigError(f"prompts file {path} holds no prompts")
+    if not path.endswith(".jsonl"):
+        return [line.replace("\\n", "\n") for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{n}: not a JSON object ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ConfigError(f"{path}:{n}: each line must be a JSON object with a string field 'prompt'")
+        prompts.append(record["prompt"])
+    return prompts
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args.prompts)  # before the models load: a bad file fails at once
     config = method_config(args)
     decoder = Decoder(pair_from_args(args, config), config, SamplingConfig(args.temperature, args.top_p))
-    prompts = read_prompts(args.prompts)
     outputs = [decoder.generate(p, max_new_tokens=args.max_new_tokens, seed=args.seed).token_ids for p in prompts]
     items = fidelity_of(decoder, prompts, outputs, args.max_new_tokens)
     print(json.dumps({"method": config.label, **summarize_fidelity(items), "per_prompt": [f.to_dict() for f in items]}))
@@ -196,8 +222,17 @@ def cmd_judge_train(args: argparse.Namespace) -> int:
     from .judge_mining import Mismatch, train_judge
     from .runner import read_results
 
-    mismatches = [Mismatch(**m) for path in args.mined for r in read_results(Path(path), repair=False)
-                  for m in r["mismatches"]]
+    fields = {f.name for f in dataclasses.fields(Mismatch)}
+    mismatches = []
+    for path in args.mined:
+        if not Path(path).is_file():
+            raise ConfigError(f"no mined file at {path}; mine one with `python -m dropmatch judge mine`")
+        for record in read_results(Path(path), repair=False, key="problem"):
+            found = record.get("mismatches")
+            if not isinstance(found, list) or not all(isinstance(m, dict) and set(m) == fields for m in found):
+                raise ConfigError(f"{path}: problem {record['problem']!r} has no list of mismatches with the "
+                                  f"fields {sorted(fields)}; mine one with `python -m dropmatch judge mine`")
+            mismatches += [Mismatch(**m) for m in found]
     judge = train_judge(mismatches, seed=args.seed)
     judge.save(args.out)
     print(json.dumps(judge.info))

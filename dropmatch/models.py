@@ -389,7 +389,17 @@ def _from_pretrained(loader, name: str, **kwargs):
                                  f"(no config.json). {_LOCAL_WEIGHTS_HINT}")
     from huggingface_hub.errors import HFValidationError
 
-    online, why = (True, "") if local.exists() else hub_reachable()
+    if local.exists():
+        tokenizer = "Tokenizer" in getattr(loader, "__name__", "")
+        # transformers: no weight files -> OSError; no usable tokenizer files -> ValueError (or OSError)
+        missing = (OSError, ValueError) if tokenizer else OSError
+        try:
+            return loader.from_pretrained(name, local_files_only=True, **kwargs)
+        except missing as err:
+            detail = " ".join(str(err).split())[:240].rstrip(" :") or type(err).__name__
+            raise ModelNotFoundError(f"cannot load {'a tokenizer' if tokenizer else 'model weights'} from the "
+                                     f"directory {local} ({detail}). {_LOCAL_WEIGHTS_HINT}") from None
+    online, why = hub_reachable()
     try:  # offline, only the local Hugging Face cache is searched: no slow retries
         return loader.from_pretrained(name, local_files_only=not online, **kwargs)
     except HFValidationError:

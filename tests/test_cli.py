@@ -47,6 +47,8 @@ def test_ngram_drafter_and_prompt_file(tmp_path):
     (["--method", "dropmatch", "--criterion", "vote"], "criterion"),
     (["--max-new-tokens", "9000"], "context"),
     (["--draft", "some/model"], "--target"),
+    (["--draft-head", "some/head"], "--draft eagle3"),  # was ignored
+    (["--device-map", "auto"], "device_map applies to hub models"),  # was ignored
 ])
 def test_bad_input_is_a_clear_error(args, message):
     out = run("generate", "--pair", "tiny", "--prompt", "hi", *args)
@@ -59,3 +61,35 @@ def test_unknown_model_offline():
               env={"HF_HUB_OFFLINE": "1"})
     assert out.returncode == 2
     assert "local" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "holds no prompts"),
+    (b'{"prompt": "a"}\n[1, 2]\n', "p.jsonl:2: each line must be a JSON object"),
+    (b'{"text": "a"}\n', "p.jsonl:1: each line must be a JSON object with a string field 'prompt'"),
+    (b'{"prompt": "a"\n', "p.jsonl:1: not a JSON object"),
+    (b"\xff\xfe prompt\n", "not UTF-8 text"),
+])
+def test_malformed_prompts_file_is_a_clear_error_before_models_load(tmp_path, capsys, content, message):
+    from dropmatch import cli
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    # the tiny pair would load in well under a second; a missing model proves nothing loads first
+    argv = ["fidelity", "--target", "no-such-org/no-such-model", "--draft", "ngram", "--prompts", str(path)]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert cli.main(["generate", "--pair", "tiny", "--prompt-file", str(tmp_path)]) == 2  # a directory
+    assert "it is a directory" in capsys.readouterr().err
+
+
+def test_malformed_mined_file_is_a_clear_error(tmp_path, capsys):
+    from dropmatch import cli
+
+    mined = tmp_path / "mined.jsonl"
+    mined.write_text('{"problem": "p1", "mismatches": [{"position": 3}]}\n')
+    assert cli.main(["judge", "train", "--mined", str(mined), "--out", str(tmp_path / "j.joblib")]) == 2
+    assert "problem 'p1' has no list of mismatches with the fields" in capsys.readouterr().err
+    assert cli.main(["judge", "train", "--mined", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "j")]) == 2
+    assert "no mined file at" in capsys.readouterr().err
+    assert not (tmp_path / "j.joblib").exists()

@@ -101,6 +101,14 @@ def test_judge_errors(tmp_path):
         train_judge([Mismatch("p", i, 0, 1, True, [0.0, 1.0]) for i in range(10)])
     with pytest.raises(ConfigError, match="no judge file"):
         Judge.load(tmp_path / "missing.joblib")
+    (tmp_path / "text.joblib").write_text("not a pickle")
+    with pytest.raises(ConfigError, match="is not a judge file"):
+        Judge.load(tmp_path / "text.joblib")
+    import joblib
+
+    joblib.dump({"weights": [1, 2]}, tmp_path / "other.joblib")
+    with pytest.raises(ConfigError, match="no pipeline and info"):
+        Judge.load(tmp_path / "other.joblib")
     with pytest.raises(ConfigError, match="--judge"):
         MethodConfig("judge")
 

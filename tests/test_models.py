@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from dropmatch import models
 from dropmatch.errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
 from dropmatch.heads.screened import ScreenedHead
 from dropmatch.models import (
@@ -68,6 +69,22 @@ def test_unknown_model_offline_says_how_to_pass_local_weights(monkeypatch, tmp_p
     empty.mkdir()
     with pytest.raises(ModelNotFoundError, match="holds no loadable model"):
         load_pair(None, target=str(empty), draft=str(empty), device="cpu")
+
+
+def test_local_directory_without_tokenizer_or_weights_says_which(tmp_path):
+    """A folder with a config.json alone names the missing part, not 'not a local directory'."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=300)
+    bare = tmp_path / "bare"
+    config.save_pretrained(bare)
+    with pytest.raises(ModelNotFoundError, match=f"cannot load a tokenizer from the directory {bare}"):
+        load_pair(None, target=str(bare), draft=str(bare), device="cpu")
+    with pytest.raises(ModelNotFoundError, match=f"cannot load model weights from the directory {bare}"):
+        models._from_pretrained(AutoModelForCausalLM, str(bare))
+    LlamaForCausalLM(config).save_pretrained(bare)  # weights present: it loads
+    assert models._from_pretrained(AutoModelForCausalLM, str(bare)).config.vocab_size == 300
 
 
 def test_local_directory_pair_round_trip(tmp_path):

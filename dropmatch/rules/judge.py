@@ -40,9 +40,18 @@ class Judge:
     def load(cls, path: str | Path) -> Judge:
         import joblib
 
-        if not Path(path).exists():
+        if not Path(path).is_file():
             raise ConfigError(f"no judge file at {path}; train one with `python -m dropmatch judge train`")
-        blob = joblib.load(path)
+        try:
+            blob = joblib.load(path)
+        except (ImportError, MemoryError):  # a judge file this environment cannot hold: not a format error
+            raise
+        except Exception as err:  # joblib/pickle raise many types for a file that is not theirs
+            raise ConfigError(f"{path} is not a judge file ({type(err).__name__}: {err}); train one with "
+                              "`python -m dropmatch judge train`") from None
+        if not (isinstance(blob, dict) and {"pipeline", "info"} <= set(blob)):
+            raise ConfigError(f"{path} is not a judge file (no pipeline and info); train one with "
+                              "`python -m dropmatch judge train`")
         return cls(blob["pipeline"], blob["info"])
 
 
