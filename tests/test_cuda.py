@@ -31,8 +31,8 @@ def pair() -> ModelPair:
     return _on_device(make_tiny("llama", seed=3, vocab_size=64, layers=3))
 
 
-def _tokens(pair: ModelPair, config: MethodConfig, prompt: list[int], **kw) -> list[int]:
-    return Decoder(pair, config).generate(prompt, max_new_tokens=24, **kw).token_ids
+def _tokens(pair: ModelPair, config: MethodConfig, prompt: list[int]) -> list[int]:
+    return Decoder(pair, config).generate(prompt, max_new_tokens=24).token_ids
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -66,9 +66,7 @@ def test_eagle3_head_in_public_layout_drafts_on_device(pair, tmp_path):
     _public_checkpoint(tmp_path, head.cpu())
     prompt = list(range(3, 20))
     ar = _tokens(pair, MethodConfig("ar"), prompt)
-    sd = MethodConfig("sd", draft="eagle3", draft_head=str(tmp_path))
-    decoder = Decoder(pair, sd)
-    assert decoder.generate(prompt, max_new_tokens=24).token_ids == ar
+    assert _tokens(pair, MethodConfig("sd", draft="eagle3", draft_head=str(tmp_path)), prompt) == ar
     for criterion in ("naive", "js+majority"):
         config = MethodConfig("dropmatch", draft="eagle3", criterion=criterion, draft_head=str(tmp_path))
         assert 0 < len(_tokens(pair, config, prompt)) <= 24  # runs on the device (EOS may end it early)

@@ -189,8 +189,8 @@ def rule_overhead(shape: Shape, device: torch.device, criterion: str = "js+major
     """The engine's verification rules on one greedy verify step at ``shape`` (random bfloat16 head,
     hidden states scaled so the clean logits have standard deviation ``logit_std``, which makes them
     peaked as a trained model's are): the draft is the target's argmax except at position 2, where it
-    is the best token below the maximum, so the standard rule rejects there and DropMatch evaluates its criterion (lazily,
-    masks drawn inside the step), as in a step of tau ~3. Times (ms) of the standard rule and of
+    is the best token below the maximum, so the standard rule rejects there and DropMatch evaluates its
+    criterion (lazily, masks drawn inside the step), as in a step of tau ~3. Times (ms) of the standard rule and of
     DropMatch (RelaxedVerification + DropMatch, the engine's rule), the criterion evaluations and exact
     fallbacks per step. With ``profile_rows``, prints the torch profiler's top ops of the DropMatch step
     (by device time) and returns the ops launched per step."""
