@@ -9,7 +9,7 @@ PRESET ?= default
 # Extra papermill parameters for `make reproduce`, e.g. ARGS="-p max_new_tokens 32"
 ARGS   ?=
 
-.PHONY: install test lint reproduce bench-engine bench-dropmatch gpu-check train-draft bench-draft bench-eagle3-dm clean
+.PHONY: install test smoke lint reproduce bench-engine bench-dropmatch gpu-check train-draft bench-draft bench-eagle3-dm clean
 
 install: $(STAMP)
 
@@ -23,10 +23,16 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(PY) -m ruff check dropmatch tests notebooks
 
-# The main suite, then the vLLM plugin's suite in its own environment (vllm-test, below).
+# The main suite (TEST_WORKERS pytest-xdist workers, a test module per worker at a time, the cores shared
+# among them), then the vLLM plugin's suite in its own environment (vllm-test, below). Slow checks are
+# left out: `make smoke` runs the notebook series on the embedded pair (~20 min on 2 cores).
+TEST_WORKERS ?= 2
 test: lint
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 	$(MAKE) vllm-test
+
+smoke: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m slow tests/test_reproduce.py
 
 # PRESET=default without -p overrides refreshes the committed notebooks/ (outputs and run record) and figures/;
 # any other run writes only results/<preset>/ and figures/<preset>/.

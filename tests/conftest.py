@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -9,6 +10,18 @@ import pytest
 import torch
 
 from dropmatch.models import ByteTokenizer, CausalLM, ModelPair, load_pair, tiny_pair
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test``), each worker, and each process it starts (CLI runs, notebook
+    kernels), gets its share of the cores: two workers with two intra-op threads each on two cores would
+    oversubscribe them and slow every compute-bound test."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def make_tiny(arch: str = "llama", seed: int = 0, draft_noise: float = 0.05, **kw) -> ModelPair:

@@ -133,5 +133,5 @@ def test_save_figure_writes_png_pdf_and_manifest(tmp_path):
 def test_reproduce_presets_and_notebooks():
     names = [nb.name for nb in notebooks()]
     assert names == sorted(names) and len(names) >= 7
-    assert set(PRESETS) == {"smoke", "default", "paper", "paper-qwen"}
+    assert set(PRESETS) == {"ci", "smoke", "default", "paper", "paper-qwen"}
     assert parse_value("[0.1, 0.3]") == [0.1, 0.3] and parse_value("gemma-3-270m") == "gemma-3-270m"

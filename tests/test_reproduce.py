@@ -1,4 +1,9 @@
-"""`make reproduce` end to end with the smoke preset (the CI run of the notebook series)."""
+"""`make reproduce` end to end: the whole notebook series run headless by papermill.
+
+``make test`` runs the ``ci`` preset (the smoke preset's sweeps on the tiny random Gemma-3 pair, with a
+random EAGLE-3 head for Table 7): every notebook, cell and figure, in minutes. ``make smoke`` (marker
+``slow``) runs the ``smoke`` preset on the embedded Gemma-3-270M pair, ~20 minutes on 2 cores.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,40 @@ import sys
 
 import pandas as pd
 import pytest
+import torch
 
+from dropmatch.drafters.eagle3 import Eagle3Config, init_head, save_head
+from dropmatch.models import load_pair
 from dropmatch.paths import data_dir
-from dropmatch.reproduce import notebooks
+from dropmatch.reproduce import PRESETS, notebooks
 from dropmatch.runner import read_results
 
-pytestmark = [pytest.mark.gemma,
-              pytest.mark.skipif(not (data_dir() / "gsm8k").is_dir(), reason="benchmark data directory not found")]
+pytestmark = pytest.mark.skipif(not (data_dir() / "gsm8k").is_dir(), reason="benchmark data directory not found")
 
 
-def _reproduce(results, figures, *extra):
-    return subprocess.run([sys.executable, "-m", "dropmatch.reproduce", "--preset", "smoke", "--results", str(results),
+def _reproduce(preset: str, results, figures, *extra):
+    return subprocess.run([sys.executable, "-m", "dropmatch.reproduce", "--preset", preset, "--results", str(results),
                            "-p", "figures_dir", str(figures), *extra], capture_output=True, text=True, timeout=1500)
 
 
-@pytest.fixture(scope="module")
-def series(tmp_path_factory):
-    """The whole smoke series, run once: its results directory, its figures directory and the process."""
-    root = tmp_path_factory.mktemp("smoke")
-    return root / "results", root / "figures", _reproduce(root / "results", root / "figures")
+def _random_eagle3_head(pair_name: str, path) -> list[str]:
+    """``-p eagle3_head DIR`` for a random-init EAGLE-3 head of ``pair_name``'s target, saved under ``path``."""
+    target = load_pair(pair_name, need_draft=False).target
+    width = int(target.head_weight.shape[1])
+    config = Eagle3Config(hidden_size=width, intermediate_size=2 * width, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=32, vocab_size=target.vocab_size, draft_vocab_size=target.vocab_size,
+                          feature_layers=(0, 1, 2))
+    save_head(init_head(config, target, torch.arange(target.vocab_size), seed=0), path, dtype=torch.float32)
+    return ["-p", "eagle3_head", str(path)]
+
+
+@pytest.fixture(scope="module", params=["ci", pytest.param("smoke", marks=[pytest.mark.slow, pytest.mark.gemma])])
+def series(request, tmp_path_factory):
+    """The whole series under one preset, run once: (preset, results dir, figures dir, extra arguments, process)."""
+    preset, root = request.param, tmp_path_factory.mktemp(request.param)
+    extra = _random_eagle3_head(PRESETS[preset]["pair"], root / "head") if preset == "ci" else []
+    out = _reproduce(preset, root / "results", root / "figures", *extra)
+    return preset, root / "results", root / "figures", extra, out
 
 
 def _untimed(value, path: str = "") -> dict:
@@ -36,9 +56,9 @@ def _untimed(value, path: str = "") -> dict:
     return {} if path.startswith("/stats/") and path.endswith("_s") else {path: value}
 
 
-@pytest.mark.timeout(1800)  # all eight notebooks on the Gemma pair: ~13 min on 2 cores, near the 900 s default
-def test_smoke_preset_runs_the_whole_series(series):
-    results, figures, out = series
+@pytest.mark.timeout(1800)  # the smoke preset: all eight notebooks on the Gemma pair, ~20 min on 2 cores
+def test_preset_runs_the_whole_series(series):
+    preset, results, figures, extra, out = series
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for nb in notebooks():
         assert (results / nb.name).exists()
@@ -46,6 +66,7 @@ def test_smoke_preset_runs_the_whole_series(series):
     assert len(pngs) >= 10
     for png in pngs:
         assert png.with_suffix(".pdf").exists() and png.with_name(png.stem + ".manifest.json").exists()
+    assert list(results.glob("*eagle3*.jsonl")), "Table 7 (EAGLE-3) did not run"
     table = pd.read_csv(results / "side_by_side.csv")
     assert {"comparison", "paper", "ours", "paper setup", "our setup"} <= set(table.columns) and len(table) >= 4
 
@@ -55,9 +76,10 @@ def test_same_preset_same_numbers(series, tmp_path):
     """A second process decodes what the series decoded: notebook 02's K = 5 run again on its first prompt
     (per-example seeds: a prompt's output does not depend on the others) gives the same record, tokens,
     step counts, scores and fidelity, up to wall-clock times."""
-    first, _, out = series
+    preset, first, _, extra, out = series
     assert out.returncode == 0, out.stderr[-3000:]
-    again = _reproduce(tmp_path / "r", tmp_path / "f", "--only", "02_", "-p", "ks", "[5]", "-p", "n_prompts", "1")
+    again = _reproduce(preset, tmp_path / "r", tmp_path / "f", *extra, "--only", "02_", "-p", "ks", "[5]",
+                       "-p", "n_prompts", "1")
     assert again.returncode == 0, again.stderr[-3000:]
     (rerun,) = (tmp_path / "r").glob("*K=5*.jsonl")
     records = read_results(rerun, repair=False)
@@ -71,6 +93,6 @@ def test_same_preset_same_numbers(series, tmp_path):
 
 def test_failing_notebook_stops_the_run_with_its_name(tmp_path):
     # an unknown task fails in the notebook's first cell after the parameters, before the models load
-    out = _reproduce(tmp_path / "r", tmp_path / "f", "--only", "02_", "-p", "task", "no_such_task")
+    out = _reproduce("ci", tmp_path / "r", tmp_path / "f", "--only", "02_", "-p", "task", "no_such_task")
     assert out.returncode == 1
     assert "FAILED 02_ablation_k.ipynb" in out.stderr and "unknown task 'no_such_task'" in out.stderr
