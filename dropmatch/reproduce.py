@@ -109,7 +109,7 @@ PRESETS: dict[str, dict] = {
               "accept_shares": [0.25, 0.5, 0.75]},
 }
 # `make test`: the smoke preset on the tiny random Gemma-3 pair (dropmatch.models.tiny_pair, byte tokenizer),
-# so that every notebook runs end to end through every cell that writes a table or a figure in ~3 minutes on
+# so that every notebook runs end to end through every cell that writes a table or a figure in ~4 minutes on
 # 2 cores (the smoke preset takes ~20 on the embedded pair: `make smoke`). Its numbers mean nothing: it checks
 # the series, not the method. No EAGLE-3 head ships for this pair; pass one as eagle3_head to run Table 7.
 PRESETS["ci"] = {**PRESETS["smoke"], "preset": "ci", "pair": "tiny-gemma"}

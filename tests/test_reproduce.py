@@ -14,11 +14,13 @@ import pandas as pd
 import pytest
 import torch
 
-from dropmatch.drafters.eagle3 import Eagle3Config, init_head, save_head
+from dropmatch.drafters.eagle3 import committed_head, init_head, save_head
 from dropmatch.models import load_pair
 from dropmatch.paths import data_dir
 from dropmatch.reproduce import PRESETS, notebooks
 from dropmatch.runner import read_results
+
+from .test_eagle3 import tiny_head_config
 
 pytestmark = pytest.mark.skipif(not (data_dir() / "gsm8k").is_dir(), reason="benchmark data directory not found")
 
@@ -31,11 +33,8 @@ def _reproduce(preset: str, results, figures, *extra):
 def _random_eagle3_head(pair_name: str, path) -> list[str]:
     """``-p eagle3_head DIR`` for a random-init EAGLE-3 head of ``pair_name``'s target, saved under ``path``."""
     target = load_pair(pair_name, need_draft=False).target
-    width = int(target.head_weight.shape[1])
-    config = Eagle3Config(hidden_size=width, intermediate_size=2 * width, num_attention_heads=2, num_key_value_heads=1,
-                          head_dim=32, vocab_size=target.vocab_size, draft_vocab_size=target.vocab_size,
-                          feature_layers=(0, 1, 2))
-    save_head(init_head(config, target, torch.arange(target.vocab_size), seed=0), path, dtype=torch.float32)
+    head = init_head(tiny_head_config(target, target.vocab_size), target, torch.arange(target.vocab_size), seed=0)
+    save_head(head, path, dtype=torch.float32)
     return ["-p", "eagle3_head", str(path)]
 
 
@@ -43,7 +42,8 @@ def _random_eagle3_head(pair_name: str, path) -> list[str]:
 def series(request, tmp_path_factory):
     """The whole series under one preset, run once: (preset, results dir, figures dir, extra arguments, process)."""
     preset, root = request.param, tmp_path_factory.mktemp(request.param)
-    extra = _random_eagle3_head(PRESETS[preset]["pair"], root / "head") if preset == "ci" else []
+    pair = PRESETS[preset]["pair"]
+    extra = [] if committed_head(pair) else _random_eagle3_head(pair, root / "head")
     out = _reproduce(preset, root / "results", root / "figures", *extra)
     return preset, root / "results", root / "figures", extra, out
 
