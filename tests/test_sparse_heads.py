@@ -111,8 +111,8 @@ def _paths(device: str) -> list[dict]:
     oneDNN: one of the float32 paths; elsewhere bfloat16 products with certified decisions), exact rows
     where oneDNN runs, and on CUDA the bfloat16 sparse and dense paths forced."""
     paths = [{"sparse": True}, {"sparse": False}, DEFAULT_PATH]
-    if device == "cpu":
-        return paths + ([{"exact_rows": True}] if onednn_linear_supported() else [])
+    if device == "cpu":  # + the sparse path's blocked W^T in several blocks, the last one padded (V = 60)
+        return paths + [{"sparse": True, "vocab_block": 16}] + ([{"exact_rows": True}] if onednn_linear_supported() else [])
     return paths + [{"sparse": True, "compute_dtype": None}, {"sparse": False, "compute_dtype": None}]
 
 
@@ -198,17 +198,24 @@ def test_bfloat16_product_bounds_hold_and_vanish_at_p_drop_zero(sparse):
         assert verdict.extra_accepts == 0 and dm.counters.refined_tokens == 0
 
 
-def test_sparse_logits_match_dense_definition():
+@pytest.mark.parametrize("vocab_block", [500, 64, 100], ids=["one-block", "padded-blocks", "exact-blocks"])
+def test_sparse_logits_match_dense_definition(vocab_block):
+    """Sparse heads equal W (h m) / (1 - p), with W^T in one vocabulary block (500 tokens), in blocks whose
+    last one is padded (7 x 64 + 52) or in blocks that tile it (5 x 100); bit for bit at p_drop = 0 (clean
+    logits) and where no column drops (W h / (1 - p))."""
     g = torch.Generator().manual_seed(3)
     weight, hidden = torch.randn(500, 40, generator=g), torch.randn(3, 40, generator=g)
     clean = F.linear(hidden, weight)
     for p in (0.0, 0.03, 0.3):
-        head = DropoutHead(weight, k=5, p_drop=p, compute_dtype=torch.float32, sparse=True)
+        head = DropoutHead(weight, k=5, p_drop=p, compute_dtype=torch.float32, sparse=True, vocab_block=vocab_block)
         masks = head.draw_masks(3, g)
         expected = F.linear(hidden.double().unsqueeze(1) * masks / (1 - p), weight.double())
         torch.testing.assert_close(head.logits(hidden, clean, masks).double(), expected, atol=1e-4, rtol=1e-4)
         if p == 0.0:
             assert torch.equal(head.logits(hidden, clean, masks), clean.unsqueeze(1).expand(-1, 5, -1))
+    keep_all = torch.ones(3, 5, 40, dtype=torch.bool)
+    assert torch.equal(head.logits(hidden, clean, keep_all), (clean / 0.7).unsqueeze(1).expand(-1, 5, -1))
+    assert head.weight_blocks.shape == (-(-500 // vocab_block) * 40, vocab_block)
 
 
 def test_cost_rule_picks_sparse_at_small_p_and_masks_on_device():

@@ -132,8 +132,9 @@ def read_floor(head: DropoutHead) -> tuple[float, float]:
     dropped columns, in expectation); dense heads ride in the verification GEMM: (0, 0)."""
     if head.exact_rows:
         data = head.weight
-    elif head.sparse:
-        data = head.weight_t[: max(1, round(head.k * head.p_drop * head.weight.shape[1]))]
+    elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary
+        columns = max(1, round(head.k * head.p_drop * head.weight.shape[1]))
+        data = head.weight_blocks.view(-1)[: columns * head.weight.shape[0]]
     else:
         return 0.0, 0.0
     return data.numel() * data.element_size() / 1e6, streaming_read_ms(data)

@@ -12,8 +12,9 @@ that computes them directly:
   ``W (h * m_i) / (1 - p) = (W h - W[:, D_i] h_{D_i}) / (1 - p)``, so a head costs |D_i| / d of a head
   row: the union U of the dropped columns of the K heads is gathered from a transposed copy of the
   weight (W^T is (d, V), so a column of W is a contiguous row of W^T) and one (K, |U|) x (|U|, V) GEMM
-  gives the K corrections (on CPUs: one embedding bag per head over the rows of W^T, which reads them
-  in place). At the equal-noise p_drop of a 640-wide model (~0.03) and K = 5, |U| is ~15 % of d.
+  gives the K corrections (on CPUs: embedding bags over the rows of W^T, which read them in place,
+  from a copy of W^T cut into vocabulary blocks; see :func:`shared_column_blocks`). At the equal-noise
+  p_drop of a 640-wide model (~0.03) and K = 5, |U| is ~15 % of d.
 
 * **exact rows**: on a CPU with oneDNN and a float32 weight, ``W (h * m / (1 - p))`` for the K heads of a
   position directly, a K-row float32 GEMM with the weight reordered once for oneDNN's kernels. The pass
@@ -24,7 +25,7 @@ that computes them directly:
 
 **Default on a CPU with oneDNN and a float32 weight:** the sparse path in float32 (exact too: float32
 is the reference precision) while one position's K heads drop few columns in expectation
-(K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`; ~9 ms for K = 5 at p_drop = 0.032 on the embedded
+(K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`; ~10 ms for K = 5 at p_drop = 0.032 on the embedded
 pair), else exact rows. Exact rows never read the clean logits; the sparse heads are exact on float32
 clean logits, which JS criteria ask for, and certified on screened ones (argmax votes, see
 ``DropMatch.screened_logits_ok``).
@@ -55,11 +56,19 @@ from .screened import rounding_bound
 SPARSE_MAX_FRACTION = 0.35
 # CPU float32 default: the sparse path while one position's K heads drop at most this many coordinates
 # in expectation (K p_drop, in units of d). Measured on the embedded pair (262k x 640, 2 cores): the
-# embedding-bag correction costs ~2 ms + 0.06 ms per dropped column (9.6 ms at K p = 0.19, 19 ms at
-# 0.48, 63 ms at 1.5), the exact K-row pass 22-28 ms.
+# flat embedding-bag correction cost ~2 ms + 0.06 ms per dropped column (9.6 ms at K p = 0.19, 19 ms at
+# 0.48, 63 ms at 1.5) against 22-28 ms for the exact K-row pass (AVX-512 / AMX EPYC); on the 2-core AVX2
+# EPYC of 2026-12-04 the blocked sparse heads take 9.7, 25, 46 and 63 ms at K p = 0.16, 0.5, 1.0 and 1.5
+# and the exact K-row pass 51-54 ms (crossover near K p = 1.2 there, near 0.5 on the faster GEMM).
 SPARSE_FLOAT32_MAX_DROPPED = 0.5
+# CPU sparse path: vocabulary columns per block of the blocked W^T. A K-head correction then accumulates
+# into K rows of 64 KB that stay in cache, where whole 1 MB rows (262k vocabulary) went back to memory for
+# every dropped column, and the bags (blocks x heads) spread evenly over the threads, where K = 5 bags
+# split 3 : 2 on 2 cores. Embedded pair, K = 5, p_drop = 0.032, 2-core AVX2 EPYC: the bags take 8.6 against
+# 11.7 ms; in `make bench-dropmatch` js+majority's head + rule went from 22.0 to 16.9 ms a position.
+VOCAB_BLOCK = 16384
 
-_TRANSPOSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (weight memory, dtype) -> W^T
+_TRANSPOSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (weight memory, dtype[, block]) -> W^T
 
 
 def shared_transpose(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -70,6 +79,24 @@ def shared_transpose(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if transposed is None:
         transposed = _TRANSPOSED[key] = weight.detach().to(dtype).T.contiguous()
     return transposed
+
+
+def shared_column_blocks(weight: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
+    """W^T cut into vocabulary blocks of ``block`` columns, in ``dtype``: (n_blocks * d, width) with
+    width = min(block, V), row ``b * d + j`` holding column j of W over the vocabulary block b (the last
+    block zero-padded). One block is W^T itself. Built once per weight memory, dtype and block, one copy."""
+    key = (*memory_key(weight), dtype, block)
+    blocks = _TRANSPOSED.get(key)
+    if blocks is None:
+        vocab, d = weight.shape
+        width = min(block, vocab)
+        n_blocks = -(-vocab // width)
+        blocks = torch.zeros((n_blocks, d, width), dtype=dtype, device=weight.device)
+        for b in range(n_blocks):
+            rows = weight.detach()[b * width : (b + 1) * width]
+            blocks[b, :, : rows.shape[0]] = rows.T
+        blocks = _TRANSPOSED[key] = blocks.view(n_blocks * d, width)
+    return blocks
 
 
 def check_dropout_args(k: int, p_drop: float) -> None:
@@ -131,6 +158,7 @@ class DropoutHead:
         weight_in_compute_dtype: ``weight`` already converted, to share one copy.
         sparse: force the sparse (True) or dense (False) path; ``None`` applies the cost rule.
         sparse_max_fraction: the cost rule's threshold on the expected dropped-union fraction.
+        vocab_block: vocabulary columns per block of the CPU sparse path's transposed weight.
         exact_rows: compute each position's K heads exactly with oneDNN's few-row float32 GEMM (see the
             module docstring); ``None`` with ``sparse=None``: on a float32 CPU weight with oneDNN, exact
             rows or float32 sparse heads by K p_drop (``compute_dtype`` is then float32).
@@ -139,12 +167,13 @@ class DropoutHead:
     def __init__(self, weight: torch.Tensor, k: int = 5, p_drop: float = 0.3,
                  compute_dtype: torch.dtype | None = None, softcap: float | None = None,
                  weight_in_compute_dtype: torch.Tensor | None = None, sparse: bool | None = None,
-                 sparse_max_fraction: float = SPARSE_MAX_FRACTION, exact_rows: bool | None = None):
+                 sparse_max_fraction: float = SPARSE_MAX_FRACTION, exact_rows: bool | None = None,
+                 vocab_block: int = VOCAB_BLOCK):
         check_dropout_args(k, p_drop)
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ConfigError(f"an LM-head weight is a floating-point (V, d) matrix, got {weight.dtype} "
                               f"of shape {tuple(weight.shape)}")
-        self.k, self.p_drop, self.softcap = k, float(p_drop), softcap
+        self.k, self.p_drop, self.softcap, self.vocab_block = k, float(p_drop), softcap, vocab_block
         if compute_dtype is None:
             compute_dtype = torch.float16 if weight.dtype == torch.float16 else torch.bfloat16
         self.compute_dtype = compute_dtype
@@ -152,6 +181,7 @@ class DropoutHead:
         self._weight_c_given = weight_in_compute_dtype
         self._weight_c: torch.Tensor | None = weight_in_compute_dtype
         self._weight_t: torch.Tensor | None = None
+        self._weight_blocks: torch.Tensor | None = None
         self._dense_kernel: FewRowLinear | None = None
         self._exact_linear = shared_few_row_linear(weight)  # oneDNN for exact heads on CPU, one copy per weight
         if (exact_rows is None and sparse is None and weight.dtype == torch.float32
@@ -192,6 +222,14 @@ class DropoutHead:
             self._weight_t = shared_transpose(self.weight, self.compute_dtype)
         return self._weight_t
 
+    @property
+    def weight_blocks(self) -> torch.Tensor:
+        """W^T in vocabulary blocks (n_blocks * d, width), compute dtype (CPU sparse path; built once, see
+        :func:`shared_column_blocks`)."""
+        if self._weight_blocks is None:
+            self._weight_blocks = shared_column_blocks(self.weight, self.compute_dtype, self.vocab_block)
+        return self._weight_blocks
+
     # -- randomness ------------------------------------------------------------------------------
     def draw_masks(self, n_positions: int, generator: torch.Generator, consume: bool = True) -> torch.Tensor:
         """Keep-masks (n_positions, K, d), bool, on the weight's device.
@@ -218,33 +256,41 @@ class DropoutHead:
         return clean_logits.unsqueeze(1) + products.float().view(n, self.k, -1)
 
     # -- sparse path -----------------------------------------------------------------------------
-    def corrections(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        """``W[:, D_i] h_{D_i}`` for every head: (n, K, V) float32, from ``hidden`` (n, d), ``masks`` (n, K, d).
+    def sparse_logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """Head logits (n, K, V) float32, ``(W h - W[:, D_i] h_{D_i}) / (1 - p)``, from ``hidden`` (n, d), the
+        clean logits (n, V) and ``masks`` (n, K, d).
 
-        On CPUs one embedding bag per head over the rows of W^T (no gathered copy: ~2x faster there);
-        elsewhere one gathered matrix over the union of the dropped columns of all n * K heads, one GEMM.
+        On CPUs the corrections are embedding bags over the rows of the blocked W^T (no gathered copy), one
+        bag per vocabulary block and head; elsewhere one gathered matrix over the union of the dropped
+        columns of all n * K heads and one GEMM.
         """
         n, k, d = masks.shape
         dropped = ~masks  # (n, K, d)
-        vocab = self.weight.shape[0]
-        if not bool(dropped.any()):
-            return torch.zeros((n, k, vocab), dtype=torch.float32, device=hidden.device)
-        if hidden.device.type == "cpu":
-            bags = dropped.reshape(n * k, d)
-            bag, column = bags.nonzero(as_tuple=True)  # ordered by bag
-            sizes = bags.sum(1)
-            weights = hidden.float()[bag // k, column].to(self.weight_t.dtype)  # bag i * K + head -> position i
-            return F.embedding_bag(column, self.weight_t, sizes.cumsum(0) - sizes, mode="sum",
-                                   per_sample_weights=weights).float().view(n, k, vocab)
-        union = dropped.reshape(-1, d).any(0).nonzero().squeeze(-1)  # (|U|,)
-        coeffs = (hidden.float().unsqueeze(1) * dropped)[..., union].reshape(n * k, -1)  # (n K, |U|)
-        columns = self.weight_t.index_select(0, union)  # (|U|, V)
-        return torch.mm(coeffs.to(columns.dtype), columns).float().view(n, k, vocab)
-
-    def sparse_logits(self, clean_logits: torch.Tensor, corrections: torch.Tensor) -> torch.Tensor:
-        """Head logits (n, K, V): ``(W h - W[:, D] h_D) / (1 - p)`` from clean logits (n, V), corrections (n, K, V)
-        (float32, overwritten: the same arithmetic in place, one K x V buffer fewer)."""
-        return torch.sub(clean_logits.float().unsqueeze(1), corrections, out=corrections).div_(1.0 - self.p_drop)
+        clean = clean_logits.float().unsqueeze(1)  # (n, 1, V)
+        if not bool(dropped.any()):  # W h / (1 - p) for every head
+            return torch.div(clean.expand(n, k, -1), 1.0 - self.p_drop)
+        if hidden.device.type != "cpu":
+            union = dropped.reshape(-1, d).any(0).nonzero().squeeze(-1)  # (|U|,)
+            coeffs = (hidden.float().unsqueeze(1) * dropped)[..., union].reshape(n * k, -1)  # (n K, |U|)
+            columns = self.weight_t.index_select(0, union)  # (|U|, V)
+            corrections = torch.mm(coeffs.to(columns.dtype), columns).float().view(n, k, -1)
+            return torch.sub(clean, corrections, out=corrections).div_(1.0 - self.p_drop)
+        blocks = self.weight_blocks
+        width, n_blocks, vocab = blocks.shape[1], blocks.shape[0] // d, clean.shape[-1]
+        bags = dropped.reshape(n * k, d)
+        bag, column = bags.nonzero(as_tuple=True)  # ordered by bag
+        sizes = bags.sum(1)
+        weights = hidden.float()[bag // k, column].to(blocks.dtype)  # bag i * K + head -> position i
+        block = torch.arange(n_blocks, device=hidden.device).unsqueeze(1)  # every block: the same bags
+        sums = F.embedding_bag((block * d + column).reshape(-1), blocks,
+                               (block * column.numel() + sizes.cumsum(0) - sizes).reshape(-1), mode="sum",
+                               per_sample_weights=weights.repeat(n_blocks))  # (n_blocks * n K, width)
+        sums = sums.float().view(n_blocks, n, k, width).permute(1, 2, 0, 3)  # (n, K, n_blocks, width)
+        if n_blocks * width != vocab:  # the last block is padded
+            clean = F.pad(clean, (0, n_blocks * width - vocab))
+        logits = torch.empty((n, k, n_blocks * width), device=hidden.device)  # laid out by vocabulary
+        torch.sub(clean.view(n, 1, n_blocks, width), sums, out=logits.view(n, k, n_blocks, width)).div_(1.0 - self.p_drop)
+        return logits if n_blocks * width == vocab else logits[..., :vocab].contiguous()
 
     # -- heads -----------------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,
@@ -263,7 +309,7 @@ class DropoutHead:
         if products is not None:
             return self.combine(clean_logits, products)
         if self.sparse:
-            return self.sparse_logits(clean_logits, self.corrections(hidden, masks))
+            return self.sparse_logits(hidden, clean_logits, masks)
         return self.combine(clean_logits, self.dense_kernel(self.perturbation_inputs(hidden, masks)))
 
     def exact_logits(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
