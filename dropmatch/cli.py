@@ -178,15 +178,17 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .runner import run_task
+    from .tasks.llm_judge import JudgeEndpoint, load_judge_prompts
 
     config = method_config(args)
+    judge = JudgeEndpoint.from_env(args.judge_url, args.judge_model)
+    if judge is not None:  # before the models load: a wrong task, URL or key fails at once
+        load_judge_prompts(args.task, args.data_dir)
+        judge.check()
     decoder = Decoder(pair_from_args(args, config), config, SamplingConfig(args.temperature, args.top_p))
-    from .tasks.llm_judge import JudgeEndpoint
-
     records = run_task(decoder, args.task, args.out, limit=args.limit, seed=args.seed,
                        max_new_tokens=args.max_new_tokens, fidelity=args.fidelity,
-                       chat_template=args.chat_template, data_dir=args.data_dir,
-                       llm_judge=JudgeEndpoint.from_env(args.judge_url, args.judge_model))
+                       chat_template=args.chat_template, data_dir=args.data_dir, llm_judge=judge)
     log.info("%d results in %s", len(records), args.out)
     return 0
 

@@ -23,3 +23,8 @@ class PromptTooLongError(DropMatchError, ValueError):
 
 class DataError(DropMatchError, OSError):
     """A benchmark file is missing or does not hold what it should."""
+
+
+class JudgeError(DropMatchError, OSError):
+    """The LLM judge endpoint cannot be reached, refuses the request, or does not answer as an OpenAI-compatible
+    chat-completions server does."""

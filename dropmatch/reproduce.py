@@ -151,7 +151,7 @@ def output_dirs(preset: str, overrides: Mapping, results: Path | None = None) ->
 def run(preset: str, overrides: dict, only: list[str] | None = None, results: Path | None = None) -> int:
     import papermill
 
-    from .errors import ConfigError
+    from .errors import ConfigError, JudgeError
     from .provenance import REVISION_ENV, revision_record
 
     if preset not in PRESETS:
@@ -166,7 +166,7 @@ def run(preset: str, overrides: dict, only: list[str] | None = None, results: Pa
         with run_environment(params), environ({REVISION_ENV: json.dumps(revision) if revision else None}):
             return _run_notebooks(papermill, preset, params, overrides, only or params.get("notebooks"), out_dir,
                                   refresh)
-    except ConfigError as err:
+    except (ConfigError, JudgeError) as err:  # bad parameters, an unreachable LLM judge
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -205,13 +205,15 @@ def run_environment(params: dict) -> contextlib.AbstractContextManager:
 
 
 def judge_status() -> str:
-    """Which endpoint grades MT-bench / KoMT-bench, or why none does; a URL without a model is an error."""
+    """Which endpoint grades MT-bench / KoMT-bench, or why none does; a URL without a model is an error, and
+    so is an endpoint that cannot be reached or refuses the key (checked here, before any notebook runs)."""
     from .tasks.llm_judge import JudgeEndpoint
 
     endpoint = JudgeEndpoint.from_env()  # ConfigError: a URL without DROPMATCH_JUDGE_MODEL
     if endpoint is None:
         return ("none configured (set DROPMATCH_JUDGE_URL and DROPMATCH_JUDGE_MODEL to grade MT-bench and "
                 "KoMT-bench); they are scored reference-free")
+    endpoint.check()  # JudgeError
     return f"{endpoint.model} at {endpoint.url}"
 
 

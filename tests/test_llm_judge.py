@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from dropmatch.errors import ConfigError
+from dropmatch.errors import ConfigError, DataError, JudgeError
 from dropmatch.paths import data_dir
 from dropmatch.tasks import Example
 from dropmatch.tasks.llm_judge import JudgeEndpoint, judge_example, load_judge_prompts, parse_rating
@@ -58,6 +58,79 @@ def test_endpoint_configuration(monkeypatch):
         JudgeEndpoint.from_env()
     monkeypatch.setenv("DROPMATCH_JUDGE_MODEL", "judge")
     assert JudgeEndpoint.from_env().url == "http://127.0.0.1:1/v1"
+    for url in ("localhost:8000/v1", "ftp://host/v1", "http:///v1"):
+        with pytest.raises(ConfigError, match="not an http"):
+            JudgeEndpoint.from_env(url)
+
+
+def _server(status: int, body: bytes, seen: list[str]) -> HTTPServer:
+    """A server on 127.0.0.1 answering every GET and POST with ``status`` and ``body``; paths go to ``seen``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self):
+            seen.append(self.path)
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("status,body,check_error,complete_error", [
+    (200, b'{"data": []}', None, "did not answer as an OpenAI-compatible"),
+    (404, b"no such route", None, "refused .*/chat/completions \\(HTTP 404"),
+    (401, b"bad key", "HTTP 401.*DROPMATCH_JUDGE_API_KEY", "HTTP 401.*DROPMATCH_JUDGE_API_KEY"),
+])
+def test_endpoint_errors_are_clear(status, body, check_error, complete_error):
+    """check() passes any server that answers (even without a model list) unless it refuses the key; a
+    reply that is not a chat completion, an HTTP error or a refused key is a JudgeError naming the endpoint."""
+    seen: list[str] = []
+    server = _server(status, body, seen)
+    endpoint = JudgeEndpoint(f"http://127.0.0.1:{server.server_port}/v1", "judge")
+    try:
+        if check_error is None:
+            endpoint.check()
+        else:
+            with pytest.raises(JudgeError, match=check_error):
+                endpoint.check()
+        with pytest.raises(JudgeError, match=complete_error):
+            endpoint.complete("system", "user")
+    finally:
+        server.shutdown()
+    assert seen == ["/v1/models", "/v1/chat/completions"]
+
+
+def test_unreachable_endpoint_is_a_clear_error():
+    endpoint = JudgeEndpoint("http://127.0.0.1:1/v1", "judge")  # port 1: nothing listens
+    for call in (endpoint.check, lambda: endpoint.complete("system", "user")):
+        with pytest.raises(JudgeError, match="http://127.0.0.1:1/v1 is not reachable"):
+            call()
+
+
+@needs_data
+def test_cli_run_checks_the_judge_before_the_models_load(tmp_path, capsys):
+    from dropmatch import cli
+
+    # a missing model proves nothing loads before the judge's checks
+    base = ["run", "--target", "no-such-org/no-such-model", "--draft", "ngram", "--out", str(tmp_path / "r.jsonl"),
+            "--judge-model", "judge"]
+    assert cli.main([*base, "--task", "mt_bench", "--judge-url", "http://127.0.0.1:1/v1"]) == 2
+    assert "http://127.0.0.1:1/v1 is not reachable" in capsys.readouterr().err
+    assert cli.main([*base, "--task", "gsm8k", "--judge-url", "http://127.0.0.1:1/v1"]) == 2
+    assert "no judge prompts for task 'gsm8k'" in capsys.readouterr().err
+    assert cli.main([*base, "--task", "mt_bench", "--judge-url", "http://127.0.0.1:1/v1",
+                     "--data-dir", str(tmp_path)]) == 2
+    assert "no judge prompts at" in capsys.readouterr().err
+    with pytest.raises(DataError):
+        load_judge_prompts("mt_bench", tmp_path)
 
 
 @needs_data

@@ -7,8 +7,9 @@ import os
 import pytest
 
 from dropmatch import experiments, reproduce
-from dropmatch.errors import ConfigError
+from dropmatch.errors import ConfigError, JudgeError
 from dropmatch.paper import PAPER_MODELS
+from dropmatch.tasks.llm_judge import JudgeEndpoint
 
 
 def test_paper_preset_uses_each_tables_models():
@@ -51,6 +52,9 @@ def test_judge_endpoint_only_when_switched_on_and_configured(monkeypatch):
     monkeypatch.setenv("DROPMATCH_LLM_JUDGE", "1")
     endpoint = experiments.judge_from_env()
     assert endpoint.url == "http://localhost:1/v1" and endpoint.model == "judge-model"
+    with pytest.raises(JudgeError, match="http://localhost:1/v1 is not reachable"):  # nothing listens on port 1
+        reproduce.judge_status()
+    monkeypatch.setattr(JudgeEndpoint, "check", lambda self: None)  # a reachable one (check: test_llm_judge)
     assert "judge-model" in reproduce.judge_status()
     monkeypatch.delenv("DROPMATCH_JUDGE_MODEL")
     with pytest.raises(ConfigError, match="DROPMATCH_JUDGE_MODEL"):

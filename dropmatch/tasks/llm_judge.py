@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError, JudgeError
 from ..paths import data_dir
 from .data import Example
 
@@ -39,20 +41,54 @@ class JudgeEndpoint:
         url = url or os.environ.get("DROPMATCH_JUDGE_URL")
         if not url:
             return None
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"judge URL {url!r} is not an http(s) URL; pass the API base, e.g. http://localhost:8000/v1")
         model = model or os.environ.get("DROPMATCH_JUDGE_MODEL")
         if not model:
             raise ConfigError("a judge URL needs a model name: set DROPMATCH_JUDGE_MODEL or pass --judge-model")
         return cls(url.rstrip("/"), model, os.environ.get("DROPMATCH_JUDGE_API_KEY"))
 
-    def complete(self, system: str, user: str) -> str:
-        body = json.dumps({"model": self.model, "temperature": 0, "max_tokens": 2048,
-                           "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+    def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(f"{self.url}/chat/completions", data=body.encode(), headers=headers)
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 (configured URL)
-            return json.loads(response.read())["choices"][0]["message"]["content"]
+        return headers
+
+    def _open(self, request: urllib.request.Request, timeout_s: float, any_answer: bool = False) -> bytes:
+        """The response body, or a :class:`JudgeError` saying what went wrong (no urllib traceback);
+        ``any_answer``: an HTTP error other than 401 / 403 counts as an answer (empty body)."""
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (configured URL)
+                return response.read()
+        except urllib.error.HTTPError as err:
+            if any_answer and err.code not in (401, 403):
+                return b""
+            hint = ": set DROPMATCH_JUDGE_API_KEY" if err.code in (401, 403) else ""
+            raise JudgeError(f"the judge endpoint {self.url} refused {request.full_url} (HTTP {err.code} "
+                             f"{err.reason}){hint}") from None
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise JudgeError(f"the judge endpoint {self.url} is not reachable ({reason}); check --judge-url or "
+                             "DROPMATCH_JUDGE_URL") from None
+
+    def check(self) -> None:
+        """Fail before any decoding if the endpoint is unreachable or refuses the key: one ``GET /models``
+        (a short timeout). A server that answers with another HTTP error (some serve no model list) passes."""
+        request = urllib.request.Request(f"{self.url}/models", headers=self._headers())
+        self._open(request, min(self.timeout_s, 10.0), any_answer=True)
+
+    def complete(self, system: str, user: str) -> str:
+        """The judge's reply to one chat-completions request (temperature 0)."""
+        body = json.dumps({"model": self.model, "temperature": 0, "max_tokens": 2048,
+                           "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+        request = urllib.request.Request(f"{self.url}/chat/completions", data=body.encode(), headers=self._headers())
+        reply = self._open(request, self.timeout_s)
+        try:
+            return json.loads(reply)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise JudgeError(f"the judge endpoint {self.url} did not answer as an OpenAI-compatible chat-completions "
+                             f"server does (no choices[0].message.content in {reply[:200]!r})") from None
 
 
 def parse_rating(text: str) -> float | None:
@@ -65,6 +101,8 @@ def load_judge_prompts(task: str, root: str | Path | None = None) -> dict[str, d
     if task not in PROMPT_FILES:
         raise ConfigError(f"no judge prompts for task {task!r}; judging is for {', '.join(PROMPT_FILES)}")
     path = Path(root or data_dir()) / PROMPT_FILES[task]
+    if not path.is_file():
+        raise DataError(f"no judge prompts at {path}: the benchmark data directory lacks {PROMPT_FILES[task]}")
     return {r["name"]: r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") == "single"}
 
 
