@@ -68,33 +68,26 @@ SPARSE_FLOAT32_MAX_DROPPED = 0.5
 # 11.7 ms; in `make bench-dropmatch` js+majority's head + rule went from 22.0 to 16.9 ms a position.
 VOCAB_BLOCK = 16384
 
-_TRANSPOSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (weight memory, dtype[, block]) -> W^T
-
-
-def shared_transpose(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight.T`` (d, V) in ``dtype``, contiguous, built once per weight memory and dtype and shared by
-    every dropout head on it (671 MB in float32 for the embedded pair) while one of them holds it."""
-    key = (*memory_key(weight), dtype)
-    transposed = _TRANSPOSED.get(key)
-    if transposed is None:
-        transposed = _TRANSPOSED[key] = weight.detach().to(dtype).T.contiguous()
-    return transposed
+_TRANSPOSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (weight memory, dtype, block) -> W^T
 
 
 def shared_column_blocks(weight: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
     """W^T cut into vocabulary blocks of ``block`` columns, in ``dtype``: (n_blocks * d, width) with
     width = min(block, V), row ``b * d + j`` holding column j of W over the vocabulary block b (the last
-    block zero-padded). One block is W^T itself. Built once per weight memory, dtype and block, one copy."""
+    block zero-padded). ``block >= V`` gives W^T itself, (d, V). Built once per weight memory, dtype and
+    block (one copy, 671 MB in float32 for the embedded pair) and shared by every dropout head on it while
+    one of them holds it."""
     key = (*memory_key(weight), dtype, block)
     blocks = _TRANSPOSED.get(key)
     if blocks is None:
         vocab, d = weight.shape
         width = min(block, vocab)
         n_blocks = -(-vocab // width)
-        blocks = torch.zeros((n_blocks, d, width), dtype=dtype, device=weight.device)
+        blocks = torch.empty((n_blocks, d, width), dtype=dtype, device=weight.device)
         for b in range(n_blocks):
             rows = weight.detach()[b * width : (b + 1) * width]
             blocks[b, :, : rows.shape[0]] = rows.T
+            blocks[b, :, rows.shape[0] :] = 0  # padding of the last block
         blocks = _TRANSPOSED[key] = blocks.view(n_blocks * d, width)
     return blocks
 
@@ -219,7 +212,7 @@ class DropoutHead:
     def weight_t(self) -> torch.Tensor:
         """The transposed weight (d, V), compute dtype, contiguous: column u of W is row u (built once)."""
         if self._weight_t is None:
-            self._weight_t = shared_transpose(self.weight, self.compute_dtype)
+            self._weight_t = shared_column_blocks(self.weight, self.compute_dtype, self.weight.shape[0])
         return self._weight_t
 
     @property

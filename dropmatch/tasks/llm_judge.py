@@ -67,7 +67,7 @@ class JudgeEndpoint:
             hint = ": set DROPMATCH_JUDGE_API_KEY" if err.code in (401, 403) else ""
             raise JudgeError(f"the judge endpoint {self.url} refused {request.full_url} (HTTP {err.code} "
                              f"{err.reason}){hint}") from None
-        except (urllib.error.URLError, OSError) as err:
+        except OSError as err:  # URLError (refused, DNS), timeouts
             reason = getattr(err, "reason", err)
             raise JudgeError(f"the judge endpoint {self.url} is not reachable ({reason}); check --judge-url or "
                              "DROPMATCH_JUDGE_URL") from None
