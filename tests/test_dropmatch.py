@@ -17,6 +17,7 @@ from dropmatch.rules.dropmatch import (
     CRITERIA,
     DropMatch,
     _bounded_js_verdict,
+    _log_normalizers,
     _tempered_logits,
     centroid_logits,
     decide,
@@ -105,6 +106,34 @@ def test_naive_and_majority_by_hand():
     assert not majority_accepts(tokens, 2, "plurality")
 
 
+def _no_draft_distribution() -> torch.Tensor:
+    raise AssertionError("the draft distribution was asked for, though no JS test runs")
+
+
+def test_vote_decisions_never_ask_for_the_draft_distribution():
+    heads = _logits_for([[.7, .1, .1, .1], [.6, .2, .1, .1], [.2, .5, .2, .1], [.5, .3, .1, .1], [.3, .2, .4, .1]])
+    assert decide("naive", heads, 1, _no_draft_distribution, GREEDY)
+    assert not decide("majority", heads, 1, _no_draft_distribution, GREEDY)
+    assert decide("js+majority", heads, 0, _no_draft_distribution, GREEDY)  # 3 of 5 heads: no JS test
+    q = torch.full((4,), 0.25)
+    assert decide("js+majority", heads, 3, lambda: q, GREEDY) == decide("js+majority", heads, 3, q, GREEDY)
+
+
+@pytest.mark.parametrize("scale,offset", [(3.0, 0.0), (3.0, 75.0), (3.0, -95.0), (40.0, 0.0)],
+                         ids=["moderate", "above-the-safe-maximum", "every-row-tiny", "wide"])
+def test_log_normalizers_equal_float64_logsumexp(scale, offset):
+    """Unshifted where the maximum allows, shifted by each row's maximum where it does not (a maximum
+    above EXP_SAFE_MAX, or rows whose sums would be too small): ln Z within 1e-6 of float64 either way."""
+    g = torch.Generator().manual_seed(1)
+    logits = scale * torch.randn(5, 65536, generator=g) + offset
+    logits[2] -= 30.0  # one row well below the others
+    expected = torch.logsumexp(logits.double(), -1)
+    for top in (None, float(logits.max())):
+        got = _log_normalizers(logits, top)
+        assert got.dtype == torch.float64 and torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 def test_plurality_with_a_draft_id_above_every_head_token():
     assert not majority_accepts(torch.tensor([3, 3, 5]), 200, "plurality")
     assert not majority_accepts(torch.tensor([3, 3, 5]), 200, "strict")
@@ -151,9 +180,18 @@ def test_bounded_js_test_takes_the_full_tests_decisions_on_a_large_vocabulary(sa
                   for mix in torch.linspace(0.0, 0.6, 7).tolist()]
         for draft in drafts:
             verdict = _bounded_js_verdict(*_tempered_logits(heads, sampling), draft)
+            # keeping tokens by the heads' maximum alone when the centroid is their mean
+            by_heads = _bounded_js_verdict(*_tempered_logits(heads, sampling), draft, centroid_is_mean=True)
+            # the draft given as logits (softmax(log q) = q)
+            from_logits = _bounded_js_verdict(*_tempered_logits(heads, sampling), draft.log(), q_is_logits=True)
             full = _full_js_test(heads, draft, sampling)
             assert js_accepts(heads, draft, sampling) == full
+            if sampling.greedy:  # where the logits decide, the probabilities are never asked for
+                lazy = _no_draft_distribution if from_logits is not None else draft
+                assert js_accepts(heads, lazy, sampling, draft_logits=draft.log()) == full
             assert verdict is None or verdict == full
+            assert by_heads is None or by_heads == full
+            assert from_logits is None or from_logits == full
             decided, accepted, cases = decided + (verdict is not None), accepted + full, cases + 1
     assert decided >= 0.6 * cases  # the bounded test is what runs (the flat drafts often need the full one)
     assert 0 < accepted < cases  # both decisions occur

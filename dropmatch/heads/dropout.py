@@ -273,16 +273,19 @@ class DropoutHead:
         bags = dropped.reshape(n * k, d)
         bag, column = bags.nonzero(as_tuple=True)  # ordered by bag
         sizes = bags.sum(1)
-        weights = hidden.float()[bag // k, column].to(blocks.dtype)  # bag i * K + head -> position i
+        # bag i * K + head -> position i; the 1 / (1 - p) rides in the weights, so the heads are one
+        # subtraction from the scaled clean logits (one pass over them, not two)
+        weights = (hidden.float()[bag // k, column] / (1.0 - self.p_drop)).to(blocks.dtype)
         block = torch.arange(n_blocks, device=hidden.device).unsqueeze(1)  # every block: the same bags
         sums = F.embedding_bag((block * d + column).reshape(-1), blocks,
                                (block * column.numel() + sizes.cumsum(0) - sizes).reshape(-1), mode="sum",
                                per_sample_weights=weights.repeat(n_blocks))  # (n_blocks * n K, width)
         sums = sums.float().view(n_blocks, n, k, width).permute(1, 2, 0, 3)  # (n, K, n_blocks, width)
+        scaled = clean / (1.0 - self.p_drop)
         if n_blocks * width != vocab:  # the last block is padded
-            clean = F.pad(clean, (0, n_blocks * width - vocab))
+            scaled = F.pad(scaled, (0, n_blocks * width - vocab))
         logits = torch.empty((n, k, n_blocks * width), device=hidden.device)  # laid out by vocabulary
-        torch.sub(clean.view(n, 1, n_blocks, width), sums, out=logits.view(n, k, n_blocks, width)).div_(1.0 - self.p_drop)
+        torch.sub(scaled.view(n, 1, n_blocks, width), sums, out=logits.view(n, k, n_blocks, width))
         return logits if n_blocks * width == vocab else logits[..., :vocab].contiguous()
 
     # -- heads -----------------------------------------------------------------------------------

@@ -76,12 +76,18 @@ class VerifyInput:
     def n_draft(self) -> int:
         return int(self.draft_tokens.shape[0])
 
+    def draft_logits_at(self, j: int) -> torch.Tensor | None:
+        """The draft logits (V,) at position j when the draft distribution is given by them (its
+        ``sampling.probs``), else ``None`` (given probabilities, or a one-hot draft)."""
+        return self.draft_logits[j] if self.draft_probs is None and self.draft_logits is not None else None
+
     def draft_distribution(self, j: int) -> torch.Tensor:
         """Draft distribution (V,) at position j; one-hot for deterministic drafts."""
         if self.draft_probs is not None:
             return self.draft_probs[j]
-        if self.draft_logits is not None:
-            return self.sampling.probs(self.draft_logits[j])
+        logits = self.draft_logits_at(j)
+        if logits is not None:
+            return self.sampling.probs(logits)
         one_hot = torch.zeros(self.target_logits.shape[-1], device=self.target_logits.device)
         one_hot[self.draft_tokens[j]] = 1.0
         return one_hot
