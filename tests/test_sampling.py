@@ -283,3 +283,19 @@ def test_cpu_argmax_is_torch_argmax_with_ties_infinities_and_nans():
                    torch.zeros(4, 9), with_nan):
         assert torch.equal(argmax(logits), logits.argmax(-1))
     assert bool((x == x.amax(-1, keepdim=True)).sum(-1).gt(1).any())  # ties really occur
+
+
+@pytest.mark.parametrize("length", [64 * 64 * 4, 64 * 64 * 4 + 3, 100])  # two levels; not whole blocks; short
+def test_indices_at_least_equal_nonzero_of_the_comparison(length):
+    """The two-level index pick returns the ascending indices ``nonzero`` gives, wherever the entries that
+    reach the threshold lie: none, one, clustered, spread, all; NaN entries and infinities."""
+    from dropmatch.sampling import indices_at_least
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(length, generator=g)
+    values[:length // 8] += 4.0  # a cluster of high entries in the low indices
+    values[length // 2] = math.nan
+    values[length - 1] = math.inf
+    values[length // 3] = -math.inf
+    for threshold in (math.inf, 10.0, 4.0, 2.5, 0.0, -math.inf):
+        expected = (values >= threshold).nonzero().flatten()
+        assert torch.equal(indices_at_least(values, threshold), expected), threshold

@@ -41,7 +41,7 @@ import torch
 
 from ..errors import ConfigError
 from ..heads.dropout import DropoutHead
-from ..sampling import SamplingConfig, argmax, sample_with_uniform
+from ..sampling import SamplingConfig, argmax, indices_at_least, sample_with_uniform
 from .base import PositionTest, Prefetch, VerifyInput
 from .divergence import js_bounds, js_divergence
 
@@ -100,8 +100,6 @@ JS_TAILS = (1e-5, 1e-7)  # probabilities below which a token (in every head, the
 # left out, tried in turn: on the embedded pair ~1-7k tokens stay at 1e-5 and the bounds decide ~95 % of
 # the tests; the smaller cut decides most of the rest, where the full test costs ~3x the bounded ones
 JS_MAX_KEPT = 1 / 8  # share of the vocabulary above which the JS test runs on the whole vocabulary
-EXP_SAFE_MAX = 60.0  # nats: logits up to this are exponentiated unshifted (a float32 sum of 2^31 terms <= e^60
-# stays finite)
 
 
 def centroid_logits(head_logits: torch.Tensor) -> torch.Tensor:
@@ -110,20 +108,20 @@ def centroid_logits(head_logits: torch.Tensor) -> torch.Tensor:
     return head_logits.mean(dim=0)
 
 
-def _log_normalizers(logits: torch.Tensor, top: float | None = None) -> torch.Tensor:
+def _log_normalizers(logits: torch.Tensor) -> torch.Tensor:
     """ln sum_v exp(logits) along the last axis, float64 (...,), from the float32 sum of the exponentials
     (the log taken in float64: a float32 ln Z of ~20 nats would carry ~2e-6 of rounding, more than
     :data:`JS_SLACK`).
 
-    ``top``, the logits' maximum if known: at most :data:`EXP_SAFE_MAX`, the logits are exponentiated as
-    they are (one pass fewer than shifting by each row's maximum, and no rounding of the shift). That is
-    kept where every row's sum is at least 1e-8: its maximum then lies above ln(1e-8 / V), so the terms
-    that make its sum are normal floats, and those that underflow add less than V 1e-38. Otherwise (or
-    without ``top``) each row is shifted by its maximum (exact) first."""
-    if top is not None and top <= EXP_SAFE_MAX:
-        sums = torch.exp(logits).sum(-1)
-        if float(sums.min()) >= 1e-8:
-            return sums.double().log()
+    The logits are exponentiated as they are (no pass for the maximum, no rounding of a shift). That is
+    kept where every row's sum is finite and at least 1e-8: the terms are positive, so no partial sum
+    overflowed; the row's maximum lies above ln(1e-8 / V), so the terms that make its sum are normal
+    floats, and those that underflow add less than V 1e-38. Otherwise each row is shifted by its maximum
+    (exact) first."""
+    sums = torch.exp(logits).sum(-1)
+    low, high = torch.aminmax(sums)
+    if float(low) >= 1e-8 and math.isfinite(float(high)):
+        return sums.double().log()
     row_top = logits.amax(-1, keepdim=True)
     shifted = (logits - row_top).exp_().sum(-1)
     return row_top.squeeze(-1).double() + shifted.double().log()
@@ -141,10 +139,10 @@ def _bounded_js_verdict(logits: torch.Tensor, centroid: torch.Tensor, q: torch.T
     written.
     """
     head_max = logits.amax(0) if logits.shape[0] > 1 else logits[0]
-    log_z = _log_normalizers(logits, float(head_max.max()))
-    log_zc = float(_log_normalizers(centroid, float(centroid.max())))
+    log_z = _log_normalizers(logits)
+    log_zc = float(_log_normalizers(centroid))
     if q_is_logits:  # a softmax's mass is one; only its kept part is computed
-        log_zq, draft_total = float(_log_normalizers(q, float(q.max()))), torch.ones((), dtype=torch.float64)
+        log_zq, draft_total = float(_log_normalizers(q)), torch.ones((), dtype=torch.float64)
     else:
         log_zq, draft_total = 0.0, q.sum(dtype=torch.float64)
     for tail in JS_TAILS:
@@ -154,12 +152,12 @@ def _bounded_js_verdict(logits: torch.Tensor, centroid: torch.Tensor, q: torch.T
         # logits, where a (K, V) comparison and its any() cost ~10x more). Any subset gives valid bounds;
         # the cut only sets how tight they are
         floor = float(log_z.min()) + cut
-        keep = head_max >= (min(floor, log_zc + cut) if centroid_is_mean else floor)
+        kept = [indices_at_least(head_max, min(floor, log_zc + cut) if centroid_is_mean else floor),
+                indices_at_least(q, log_zq + cut if q_is_logits else tail)]
         if not centroid_is_mean:
-            keep |= centroid >= log_zc + cut
-        keep |= (q >= log_zq + cut) if q_is_logits else (q >= tail)
-        tokens = keep.nonzero().squeeze(-1)
-        if tokens.numel() > JS_MAX_KEPT * keep.numel():
+            kept.append(indices_at_least(centroid, log_zc + cut))
+        tokens = torch.cat(kept).unique()
+        if tokens.numel() > JS_MAX_KEPT * head_max.numel():
             return None
         heads = (logits.index_select(-1, tokens).double() - log_z.unsqueeze(-1)).exp()
         centre = (centroid.index_select(-1, tokens).double() - log_zc).exp()
