@@ -185,15 +185,17 @@ class GreedyReference:
 
 class TaskRunner:
     """Decodes the examples of a task with one method; with ``fidelity``, compares every turn with
-    the target's greedy output on the same prompt (``reference_cache``: share those across runs)."""
+    the target's greedy output on the same prompt (``reference_cache``: share those across runs);
+    ``llm_judge`` grades with the judge prompts of ``data_dir`` (default: :func:`~dropmatch.paths.data_dir`)."""
 
     def __init__(self, decoder: Decoder, task: str, *, max_new_tokens: int | None = None, seed: int = 0,
                  fidelity: bool = False, chat_template: bool = False, reference_cache: str | Path | None = None,
-                 llm_judge: JudgeEndpoint | None = None, example_seed: Callable[[int, str], int] | None = None):
+                 llm_judge: JudgeEndpoint | None = None, example_seed: Callable[[int, str], int] | None = None,
+                 data_dir: str | Path | None = None):
         self.decoder, self.task, self.seed = decoder, task, seed
         self.example_seed = example_seed
         self.llm_judge = llm_judge
-        self.judge_prompts = load_judge_prompts(task) if llm_judge is not None else None
+        self.judge_prompts = load_judge_prompts(task, data_dir) if llm_judge is not None else None
         defaults = generation_defaults(task)
         self.stop = defaults.stop
         self.max_new_tokens = max_new_tokens or defaults.max_new_tokens
@@ -293,7 +295,7 @@ def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None 
         label = decoder.config.label
         runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
                             chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge,
-                            example_seed=example_seed)
+                            example_seed=example_seed, data_dir=data_dir)
         done_by_id = _records_to_resume(out, wanted, fidelity)
         env_path = out.with_suffix(out.suffix + ".env.json")
         if not env_path.exists():

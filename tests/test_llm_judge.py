@@ -134,6 +134,24 @@ def test_cli_run_checks_the_judge_before_the_models_load(tmp_path, capsys):
 
 
 @needs_data
+def test_run_task_judges_with_the_prompts_of_its_data_directory(tiny, fake_judge, tmp_path, monkeypatch):
+    """``--data-dir`` reaches the judge prompts too, not only the questions (the default directory is
+    empty here)."""
+    import shutil
+
+    from dropmatch.methods import Decoder, MethodConfig
+    from dropmatch.runner import run_task
+
+    shutil.copytree(data_dir() / "mt_bench", tmp_path / "data" / "mt_bench")
+    monkeypatch.setenv("DROPMATCH_DATA", str(tmp_path / "empty"))
+    url, seen = fake_judge
+    records = run_task(Decoder(tiny, MethodConfig("sd")), "mt_bench", tmp_path / "r.jsonl", limit=1,
+                       max_new_tokens=4, progress=False, data_dir=tmp_path / "data",
+                       llm_judge=JudgeEndpoint(url, "judge-model"))
+    assert len(seen) == 2 and records[0]["score"]["judge_score"] == 5.5
+
+
+@needs_data
 def test_judge_example_grades_both_turns(fake_judge):
     url, seen = fake_judge
     endpoint = JudgeEndpoint(url, "judge-model")
