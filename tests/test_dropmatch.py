@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.special import xlogy
 
 from dropmatch.drafters import ModelDrafter, NgramDrafter
 from dropmatch.engine import generate
@@ -194,6 +195,34 @@ def test_bounded_js_test_takes_the_full_tests_decisions_on_a_large_vocabulary(sa
             decided, accepted, cases = decided + (verdict is not None), accepted + full, cases + 1
     assert decided >= 0.6 * cases  # the bounded test is what runs (the flat drafts often need the full one)
     assert 0 < accepted < cases  # both decisions occur
+
+
+def test_js_stays_finite_and_decides_as_float64_on_very_peaked_heads():
+    """Logits spread over more than ~103 nats give probabilities down to float32's smallest subnormal;
+    JS stays within [0, ln 2] and the JS test takes the float64 test's decisions (the mixture's log once
+    underflowed there: every radius was inf and ``inf <= inf`` accepted every draft)."""
+    tiny = torch.tensor([1e-45, 1.0 - 1e-45])
+    assert 0.0 <= float(js_divergence(tiny, torch.tensor([0.0, 1.0]))) <= math.log(2)
+    g = torch.Generator().manual_seed(0)
+    base = 20 * torch.randn(8192, generator=g)
+    heads = base + 0.3 * torch.randn(5, 8192, generator=g)
+    probs, centre = torch.softmax(heads, -1), torch.softmax(heads.mean(0), -1)
+    radii = js_divergence(probs, centre)
+    assert torch.isfinite(radii).all() and float(radii.max()) <= math.log(2)
+
+    def js64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # float64, from the definition
+        a, b = a.double(), b.double()
+        m = (a + b) / 2
+        return 0.5 * (xlogy(a, a) - xlogy(a, m)).sum(-1) + 0.5 * (xlogy(b, b) - xlogy(b, m)).sum(-1)
+
+    decisions = []
+    for spread in (0.1, 8.0):  # a draft inside the cluster, one far outside it
+        q = torch.softmax(base + spread * torch.randn(8192, generator=g), -1)
+        expected = bool(js64(q, centre) <= js64(probs, centre).max())
+        assert _full_js_test(heads, q, GREEDY) == expected
+        assert js_accepts(heads, q, GREEDY) == expected
+        decisions.append(expected)
+    assert decisions == [True, False]
 
 
 def test_js_by_hand():
