@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..onednn_linear import FewRowLinear, shared_few_row_linear
+from ..sampling import indices_at_least
 
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -82,7 +83,7 @@ class ScreenedHead:
         # Any token below max - 2 * bound cannot be the exact maximum.
         threshold = approx.amax(-1, keepdim=True) - 2 * bound - self.refine_margin
         for row in range(approx.shape[0]):
-            tokens = (approx[row] >= threshold[row]).nonzero().squeeze(-1)
+            tokens = indices_at_least(approx[row], float(threshold[row]))
             if tokens.numel() > self.max_refined:
                 approx[row] = F.linear(hidden[row].float(), self.weight)
             else:
