@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import numbers
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -198,13 +199,19 @@ class TaskRunner:
         self.judge_prompts = load_judge_prompts(task, data_dir) if llm_judge is not None else None
         defaults = generation_defaults(task)
         self.stop = defaults.stop
-        self.max_new_tokens = max_new_tokens or defaults.max_new_tokens
+        self.max_new_tokens = new_token_budget(task, max_new_tokens)
         self.chat_template = chat_template
         self.reference = (GreedyReference(decoder.pair, self.stop, self.max_new_tokens, reference_cache)
                           if fidelity else None)
 
-    def encode(self, pair, prompt: str) -> list[int]:
-        """Prompt ids; a chat template already holds the BOS token, so none is added then."""
+    def encode(self, pair, example: Example, turns_so_far: Sequence[str] = ()) -> list[int]:
+        """Prompt ids of ``example``'s next turn (single-prompt tasks: its prompt). A chat template (chat
+        tasks with ``chat_template``) already holds the BOS token, so none is added to it; every other
+        prompt gets the tokenizer's special tokens."""
+        if not example.turns:
+            return pair.encode(example.prompt)
+        prompt = chat_prompt(example.turns, list(turns_so_far), tokenizer=pair.tokenizer,
+                             use_chat_template=self.chat_template)
         if self.chat_template:
             return list(pair.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         return pair.encode(prompt)
@@ -215,12 +222,7 @@ class TaskRunner:
         n_turns = len(example.turns) if example.turns else 1
         seed = self.seed_of(example)
         for turn in range(n_turns):
-            if example.turns:
-                prompt = chat_prompt(example.turns, texts, tokenizer=decoder.pair.tokenizer,
-                                     use_chat_template=self.chat_template)
-            else:
-                prompt = example.prompt
-            ids = self.encode(decoder.pair, prompt)
+            ids = self.encode(decoder.pair, example, texts)
             result = decoder.generate(ids, max_new_tokens=self.max_new_tokens, seed=seed + turn, stop=self.stop)
             prompts.append(ids)
             outputs.append(result.token_ids)
@@ -235,9 +237,7 @@ class TaskRunner:
     def warm_up(self, example: Example) -> None:
         """One short, discarded generation on ``example``'s (first) prompt: first-call costs stay out
         of the timed examples."""
-        prompt = (chat_prompt(example.turns, [], tokenizer=self.decoder.pair.tokenizer,
-                              use_chat_template=self.chat_template) if example.turns else example.prompt)
-        self.decoder.warm_up(self.encode(self.decoder.pair, prompt))
+        self.decoder.warm_up(self.encode(self.decoder.pair, example))
 
     def run_example(self, example: Example) -> dict:
         prompts, outputs, stats, texts = self._turns(self.decoder, example)
@@ -249,7 +249,8 @@ class TaskRunner:
             "stats": merge_stats(stats).to_dict(), "seed": self.seed, "example_seed": self.seed_of(example),
             "seeding": "per-example" if self.example_seed else "run",
             "config": self.decoder.config.to_dict(), "sampling": asdict(self.decoder.sampling),
-            "max_new_tokens": self.max_new_tokens,
+            "max_new_tokens": self.max_new_tokens, "chat_template": self.chat_template,
+            "llm_judge": self.llm_judge.model if self.llm_judge is not None else None,
         }
         if self.llm_judge is not None and example.turns:
             record["score"].update(judge_example(self.llm_judge, self.judge_prompts, example, texts))
@@ -283,11 +284,11 @@ def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None 
     Holds ``results_lock(out)`` for the whole run: a second writer of ``out`` gets a ``ConfigError``."""
     wanted = {"task": task, "method": decoder.config.label, "model": model_identity(decoder.pair), "seed": seed,
               "config": decoder.config.to_dict(), "sampling": asdict(decoder.sampling),
-              "max_new_tokens": max_new_tokens or generation_defaults(task).max_new_tokens,
-              "seeding": "per-example" if example_seed else "run"}
+              "max_new_tokens": new_token_budget(task, max_new_tokens),
+              "seeding": "per-example" if example_seed else "run", "chat_template": chat_template,
+              "llm_judge": llm_judge.model if llm_judge is not None else None}
     judge_path = getattr(decoder.config, "judge_path", None)
-    out = keyed_path(out, {**wanted, "fidelity": fidelity, "llm_judge": llm_judge and llm_judge.model,
-                           "chat_template": chat_template, "judge_file": file_digest(judge_path)}) if keyed else Path(out)
+    out = keyed_path(out, {**wanted, "fidelity": fidelity, "judge_file": file_digest(judge_path)}) if keyed else Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     note_models(decoder.pair)
     with results_lock(out):
@@ -335,7 +336,18 @@ def keyed_path(out: str | Path, settings: dict) -> Path:
     return out.with_name(f"{out.stem}__{readable + '-' if readable else ''}{config_key(settings)}{out.suffix}")
 
 
-OLD_RECORD_DEFAULTS = {"seeding": "run"}  # fields records written before they existed hold implicitly
+# fields records written before they existed hold implicitly
+OLD_RECORD_DEFAULTS = {"seeding": "run", "chat_template": False, "llm_judge": None}
+
+
+def new_token_budget(task: str, max_new_tokens: int | None) -> int:
+    """New tokens per generation (per turn): ``max_new_tokens``, or the task's default for ``None``;
+    ``ConfigError`` below 1 (0 used to fall back to the default silently)."""
+    if max_new_tokens is None:
+        return generation_defaults(task).max_new_tokens
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    return int(max_new_tokens)
 
 
 def _records_to_resume(out: Path, wanted: dict, fidelity: bool) -> dict[str, dict]:

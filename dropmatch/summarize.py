@@ -22,6 +22,7 @@ on KLUE-NLI, pass / fail on HumanEval and IFEval strict, else the same text).
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-from .runner import read_results
+from .runner import OLD_RECORD_DEFAULTS, read_results
 from .tasks.metrics import answers_agree
 
 PRIMARY_SCORE = {"gsm8k": "exact_match", "mmlu": "accuracy", "humaneval": "pass@1", "ifeval": "prompt_level_strict_acc",
@@ -108,23 +109,65 @@ def with_ci(row: dict, column: str, value: float, interval: tuple[float, float])
     row[column], row[f"{column}_lo"], row[f"{column}_hi"] = value, interval[0], interval[1]
 
 
+# What besides task and method sets a run apart: records that differ in any of these are never pooled.
+# A baseline run must share the first five with the run it is compared with (not the seed: a greedy
+# baseline does not depend on it); among several such, the one with the same seed is taken.
+RUN_SETTINGS = ("model", "sampling", "max_new_tokens", "chat_template", "llm_judge", "seed", "seeding")
+PAIRED_SETTINGS = RUN_SETTINGS[:5]
+
+RunKey = tuple[str, str, tuple[str, ...]]  # task, method label, RUN_SETTINGS values (JSON)
+
+
+def run_key(record: dict) -> RunKey:
+    """The run a record belongs to: its task, method label and :data:`RUN_SETTINGS` (records written
+    before a setting existed hold its old default; synthetic records without one hold ``None``)."""
+    settings = tuple(json.dumps(record.get(k, OLD_RECORD_DEFAULTS.get(k)), sort_keys=True, default=str)
+                     for k in RUN_SETTINGS)
+    return record["task"], record["method"], settings
+
+
+def _labels(keys: Sequence[RunKey]) -> dict[RunKey, str]:
+    """Each run's method label, followed by the settings in which it differs from runs of the same task
+    and method (e.g. ``sd@L5 [sampling={...}]``), so that rows stay apart in the table."""
+    labels = {}
+    for key in keys:
+        twins = [k for k in keys if k[:2] == key[:2]]
+        differs = [i for i in range(len(RUN_SETTINGS)) if len({k[2][i] for k in twins}) > 1]
+        tag = ", ".join(f"{RUN_SETTINGS[i]}={key[2][i]}" for i in differs)
+        labels[key] = f"{key[1]} [{tag}]" if tag else key[1]
+    return labels
+
+
 def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dict]:
-    """Rows (dicts) of the summary table; ``baseline`` names a method label or its prefix."""
-    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    """Rows (dicts) of the summary table, one per run (:func:`run_key`); ``baseline`` names a method
+    label or its prefix. Each run is compared with the baseline run of the same task and
+    :data:`PAIRED_SETTINGS`. ``ConfigError`` if a run holds one prompt twice (e.g. a file given twice)."""
+    groups: dict[RunKey, list[dict]] = defaultdict(list)
     for r in records:
-        groups[(r["task"], r["method"])].append(r)
-    rows = [summarize_run(task, method, rs) for (task, method), rs in sorted(groups.items())]
-    for row in rows:
-        base = [b for b in rows if b["task"] == row["task"] and _is_baseline(b["method"], baseline)]
+        groups[run_key(r)].append(r)
+    for (task, method, _), rs in groups.items():
+        ids = [r.get("id", i) for i, r in enumerate(rs)]
+        if len(set(ids)) < len(ids):
+            twice = sorted({str(i) for i in ids if ids.count(i) > 1})
+            raise ConfigError(f"{task} / {method}: the results hold prompt(s) {', '.join(twice[:3])} more than once "
+                              f"(the same file twice, or runs of one configuration in two files); give each once")
+    keys = sorted(groups)
+    labels = _labels(keys)
+    rows = {key: summarize_run(key[0], labels[key], groups[key]) for key in keys}
+    paired = len(PAIRED_SETTINGS)
+    for key in keys:
+        base = [k for k in keys if k[0] == key[0] and k[2][:paired] == key[2][:paired] and _is_baseline(k[1], baseline)]
         if len(base) > 1:  # e.g. sd@L5 and sd@L10: compare with the one at the same draft length
-            base = [b for b in base if _draft_length(b["method"]) == _draft_length(row["method"])] or base[:0]
+            base = [k for k in base if _draft_length(k[1]) == _draft_length(key[1])]
+        if len(base) > 1:  # runs of the baseline with other seeds: the one with this run's seed
+            base = [k for k in base if k[2] == key[2]] or base
         if len(base) > 1:
-            raise ValueError(f"baseline {baseline!r} matches several runs of {row['task']}: "
-                             f"{', '.join(b['method'] for b in base)}; name one exactly")
-        base_records = groups[(row["task"], base[0]["method"])] if base else []
-        row.update(compare_runs(groups[(row["task"], row["method"])], base_records))
-        row.update(agreement(row["task"], groups[(row["task"], row["method"])], base_records))
-    return rows
+            raise ConfigError(f"baseline {baseline!r} matches several runs of {key[0]}: "
+                              f"{', '.join(labels[k] for k in base)}; name one exactly")
+        base_records = groups[base[0]] if base else []
+        rows[key].update(compare_runs(groups[key], base_records))
+        rows[key].update(agreement(key[0], groups[key], base_records))
+    return [rows[key] for key in keys]
 
 
 def summarize_run(task: str, method: str, rs: Sequence[dict]) -> dict:
@@ -135,7 +178,7 @@ def summarize_run(task: str, method: str, rs: Sequence[dict]) -> dict:
         key = "judge_score"
     scores = [r["score"][key] for r in rs if key in r["score"]]
     if key is not None and not scores and any(r["score"] for r in rs):
-        raise ValueError(f"{task}/{method}: no record has the score {key!r}; "
+        raise ConfigError(f"{task}/{method}: no record has the score {key!r}; "
                          f"the records have {sorted(rs[0]['score'])}")
     low, high = bootstrap_ci(scores)
     row = {"task": task, "method": method, "n": len(rs)}
@@ -238,5 +281,9 @@ def summarize_files(paths: Sequence[str | Path], baseline: str = "sd") -> list[d
         found = read_results(path, repair=False, key="id")
         if not found:
             raise ConfigError(f"no results in {path}")
+        missing = [k for k in ("task", "method", "stats") if k not in found[0]]
+        if missing:
+            raise ConfigError(f"{path} holds no decoding results (its records have no {', '.join(missing)}); "
+                              f"summarize takes the JSON lines of `dropmatch run`")
         records += found
     return summarize_records(records, baseline)

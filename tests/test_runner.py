@@ -15,8 +15,9 @@ import pytest
 from dropmatch.errors import ConfigError
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.paths import data_dir
-from dropmatch.runner import lock_path, read_results, results_lock, run_task
-from dropmatch.summarize import bootstrap_ci, summarize_files
+from dropmatch.runner import TaskRunner, lock_path, read_results, results_lock, run_task
+from dropmatch.summarize import bootstrap_ci, summarize_files, summarize_records
+from dropmatch.tasks import load_task
 
 pytestmark = pytest.mark.skipif(not (data_dir() / "mmlu").is_dir(), reason="benchmark data directory not found")
 
@@ -149,7 +150,7 @@ def test_summary_refuses_a_missing_headline_score():
 
     record = {"task": "gsm8k", "method": "sd", "score": {"something_else": 1.0},
               "stats": {"new_tokens": 4, "target_calls": 2, "tokens_per_s": 1.0}}
-    with pytest.raises(ValueError, match="exact_match"):
+    with pytest.raises(ConfigError, match="exact_match"):
         summarize_records([record])
 
 
@@ -224,3 +225,75 @@ def test_summarizing_a_missing_or_empty_file_is_a_clear_error(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ConfigError, match="no results"):
         summarize_files([tmp_path / "empty.jsonl"])
+
+
+def _timed(method: str, example: int, tokens_per_s: float, **settings) -> dict:
+    """A GSM8K record of ``method`` on prompt ``example`` decoding 40 tokens after the first at ``tokens_per_s``."""
+    stats = {"new_tokens": 41, "target_calls": 11, "generations": 1, "prefill_s": 0.5,
+             "wall_s": 0.5 + 40 / tokens_per_s, "tokens_per_s": 41 / (0.5 + 40 / tokens_per_s)}
+    return {"id": f"gsm8k/{example}", "task": "gsm8k", "method": method, "score": {"exact_match": 1.0},
+            "stats": stats, "model": "tiny", "max_new_tokens": 64, "seed": 0, **settings}
+
+
+def test_summary_never_pools_runs_of_other_settings_and_pairs_each_with_its_own_baseline():
+    greedy, hot = {"temperature": 0.0, "top_p": 1.0}, {"temperature": 1.0, "top_p": 1.0}
+    records = [_timed(m, i, speed, sampling=sampling) for i in range(5)
+               for m, speed, sampling in (("sd@L5", 10.0, greedy), ("sd@L5", 10.0, hot),
+                                          ("dropmatch(x)@L5", 15.0, greedy), ("dropmatch(x)@L5", 5.0, hot))]
+    rows = summarize_records(records)
+    assert len(rows) == 4 and all(r["n"] == 5 for r in rows)
+    by_label = {r["method"]: r for r in rows}
+    assert len(by_label) == 4  # the labels name the differing setting
+    speedups = sorted(r["speedup"] for r in rows if r["method"].startswith("dropmatch"))
+    assert speedups == pytest.approx([0.5, 1.5])  # pooled and paired blindly: one row, n = 10, speedup ~1
+    assert all('"temperature": 1.0' in m or '"temperature": 0.0' in m for m in by_label)
+
+
+def test_summary_compares_with_the_baseline_of_the_same_seed_and_refuses_a_prompt_twice():
+    records = [_timed(m, i, speed, seed=seed) for i in range(3)
+               for m, speed, seed in (("sd@L5", 10.0, 0), ("sd@L5", 20.0, 1), ("dropmatch(x)@L5", 20.0, 1))]
+    rows = {r["method"]: r for r in summarize_records(records)}
+    assert rows["dropmatch(x)@L5"]["speedup"] == pytest.approx(1.0)  # against sd at seed 1, not seed 0
+    with pytest.raises(ConfigError, match="more than once"):
+        summarize_records(records + records[:1])
+
+
+def test_summarizing_a_file_of_other_results_is_a_clear_error(tmp_path):
+    other = tmp_path / "dropout_paths.jsonl"
+    other.write_text(json.dumps({"id": "gsm8k/0", "agreement": 0.5}) + "\n")
+    with pytest.raises(ConfigError, match="no decoding results"):
+        summarize_files([other])
+    out = subprocess.run([sys.executable, "-m", "dropmatch", "summarize", str(other)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr and "no decoding results" in out.stderr
+
+
+def test_resume_refuses_other_chat_template_or_llm_judge_settings(tiny, tmp_path):
+    out = tmp_path / "r.jsonl"
+    decoder = Decoder(tiny, MethodConfig("sd"))
+    run_task(decoder, "mt_bench", out, limit=1, max_new_tokens=4, progress=False)
+    assert read_results(out)[0]["chat_template"] is False and read_results(out)[0]["llm_judge"] is None
+    with pytest.raises(ConfigError, match="chat_template"):
+        run_task(decoder, "mt_bench", out, limit=2, max_new_tokens=4, chat_template=True, progress=False)
+
+    class Judge:  # never called: the run is refused before any example
+        model = "some-judge"
+
+    with pytest.raises(ConfigError, match="llm_judge"):
+        run_task(decoder, "mt_bench", out, limit=2, max_new_tokens=4, llm_judge=Judge(), progress=False)
+
+
+def test_chat_template_leaves_single_prompt_tasks_their_bos(tiny):
+    example = load_task("klue_nli", limit=1)[0]
+    decoder = Decoder(tiny, MethodConfig("sd"))
+    plain = TaskRunner(decoder, "klue_nli").encode(tiny, example)
+    assert plain[0] == tiny.tokenizer.bos_token_id
+    assert TaskRunner(decoder, "klue_nli", chat_template=True).encode(tiny, example) == plain
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, True])
+def test_a_new_token_budget_below_one_is_refused(tiny, tmp_path, budget):
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        run_task(Decoder(tiny, MethodConfig("sd")), "klue_nli", tmp_path / "r.jsonl", limit=1,
+                 max_new_tokens=budget, progress=False)
+    assert not (tmp_path / "r.jsonl").exists() or not read_results(tmp_path / "r.jsonl")
