@@ -217,6 +217,74 @@ def test_unknown_hub_head_is_a_clear_error(monkeypatch):
         load_head("no-such-org/no-such-eagle3-head")
 
 
+def _rewrite_weights(path, drop=(), add=None) -> None:
+    """Rewrite a checkpoint's model.safetensors without the tensors ``drop``, with ``add`` merged in."""
+    from safetensors.torch import load_file, save_file
+
+    state = {k: v for k, v in load_file(path / "model.safetensors").items() if k not in drop}
+    save_file({**state, **(add or {})}, path / "model.safetensors")
+
+
+def test_heads_without_their_vocabulary_maps_load(pair, tmp_path):
+    """speculators leaves d2t and t2d out of full-vocabulary heads; t2d is never used at inference."""
+    full = random_head(pair.target, seed=4)
+    _public_checkpoint(tmp_path / "full", full)
+    _rewrite_weights(tmp_path / "full", drop=("d2t", "t2d"))
+    loaded = load_head(tmp_path / "full", pair.target)
+    assert torch.equal(loaded.draft_to_target, torch.arange(pair.target.vocab_size)) and bool(loaded.t2d.all())
+    reduced = random_head(pair.target, 48, seed=5)
+    _public_checkpoint(tmp_path / "reduced", reduced)
+    _rewrite_weights(tmp_path / "reduced", drop=("t2d",))
+    assert torch.equal(load_head(tmp_path / "reduced", pair.target).t2d, reduced.t2d)
+
+
+def test_heads_that_do_not_fit_are_clear_errors(pair, tmp_path):
+    head = random_head(pair.target, 48, seed=6)
+    _public_checkpoint(tmp_path, head)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 40}))  # tensors hold 48
+    with pytest.raises(ConfigError, match="do not fit its config.json"):
+        load_head(tmp_path, pair.target)
+    (tmp_path / "config.json").write_text(json.dumps([config]))
+    with pytest.raises(ConfigError, match="not an object"):
+        load_head(tmp_path, pair.target)
+    d = int(pair.target.head_weight.shape[1])
+    narrow = Eagle3Head(Eagle3Config(hidden_size=d // 2, intermediate_size=d, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=pair.target.vocab_size, draft_vocab_size=48,
+                                     target_hidden_size=d, feature_layers=(1, 1, 2)))
+    save_head(narrow, tmp_path / "narrow")
+    with pytest.raises(ConfigError, match="token embeddings"):
+        load_head(tmp_path / "narrow", pair.target)
+
+
+def test_only_weight_files_are_read(pair, tmp_path):
+    head = random_head(pair.target, 48, seed=7)
+    _public_checkpoint(tmp_path, head)
+    from safetensors.torch import load_file
+
+    torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "training_args.bin").write_bytes(b"a pickled TrainingArguments, not weights")
+    loaded = load_head(tmp_path, pair.target)
+    torch.testing.assert_close(loaded.fc.weight, head.fc.weight)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"truncated")
+    with pytest.raises(ConfigError, match="cannot read EAGLE-3 weights"):
+        load_head(tmp_path, pair.target)
+
+
+def test_a_bfloat16_head_keeps_float32_rotary_frequencies(pair, tmp_path):
+    head = random_head(pair.target, 48, seed=8)
+    _public_checkpoint(tmp_path, head)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0}))
+    loaded = load_head(tmp_path, pair.target, dtype=torch.bfloat16)
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    reference = Eagle3Head(Eagle3Config.from_dict({**config, "rope_theta": 500000.0}))
+    for name, value in reference.rotary.named_buffers():
+        assert getattr(loaded.rotary, name).dtype == torch.float32
+        assert torch.equal(getattr(loaded.rotary, name), value), name
+
+
 class OracleDrafter(Eagle3Drafter):
     """Runs the head (cache, rollback) but proposes the known greedy continuation on a fixed pattern of
     depths, so that drafts are partly accepted and every commit path is exercised."""

@@ -301,7 +301,7 @@ class _HubSnapshot:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(name, local_files_only=local_files_only,
-                                      allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+                                      allow_patterns=["*.json", *WEIGHT_FILES]))
 
 
 def resolve_head_dir(source: str | Path) -> Path:
@@ -316,16 +316,30 @@ def resolve_head_dir(source: str | Path) -> Path:
     return _from_pretrained(_HubSnapshot, str(source))
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    files = sorted(directory.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
+WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin")  # the weights (maybe sharded), not training_args.bin etc.
 
-        return {k: v for f in files for k, v in load_file(f).items()}
-    bins = sorted(directory.glob("*.bin"))
-    if not bins:
-        raise ModelNotFoundError(f"no *.safetensors or *.bin weights in {directory}")
-    return {k: v for f in bins for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The head's tensors from its ``model*.safetensors`` shards, else its ``pytorch_model*.bin`` ones
+    (other files, e.g. a Trainer's ``training_args.bin`` or an optimizer state, are not weights)."""
+    for pattern in WEIGHT_FILES:
+        files = sorted(directory.glob(pattern))
+        if files:
+            break
+    else:
+        raise ModelNotFoundError(f"no {' or '.join(WEIGHT_FILES)} weights in {directory}")
+    weights = {}
+    for file in files:
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                weights.update(load_file(file))
+            else:
+                weights.update(torch.load(file, map_location="cpu", weights_only=True))
+        except Exception as err:  # a truncated or foreign file: name it instead of a loader traceback
+            raise ConfigError(f"cannot read EAGLE-3 weights {file}: {type(err).__name__}: {err}") from None
+    return weights
 
 
 def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torch.dtype | None = None,
@@ -340,20 +354,32 @@ def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torc
         raw = json.loads((directory / "config.json").read_text())
     except ValueError as err:
         raise ConfigError(f"EAGLE-3 head {source}: config.json is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"EAGLE-3 head {source}: config.json holds a {type(raw).__name__}, not an object")
     config = Eagle3Config.from_dict(raw)
     weights = {}
     for name, value in _read_weights(directory).items():
         key = _normalize_name(name)
         if key is not None:
             weights[key] = value
-    if "d2t" not in weights and config.draft_vocab_size != config.vocab_size:
-        raise ConfigError(f"{source}: draft vocabulary {config.draft_vocab_size} != {config.vocab_size} but no d2t")
+    if "d2t" not in weights:  # speculators leaves the maps out of full-vocabulary heads
+        if config.draft_vocab_size != config.vocab_size:
+            raise ConfigError(f"{source}: draft vocabulary {config.draft_vocab_size} != {config.vocab_size} but no d2t")
+        weights["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+    if "t2d" not in weights:  # unused at inference; rebuilt from d2t
+        ids = torch.arange(weights["d2t"].numel()) + weights["d2t"].long()
+        weights["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
+        weights["t2d"][ids[(ids >= 0) & (ids < config.vocab_size)]] = True
     head = Eagle3Head(config)
     if target is not None:
         d_t = int(target.head_weight.shape[1])
         if d_t != config.target_hidden_size:
             raise ConfigError(f"EAGLE-3 head {source} expects target hidden size {config.target_hidden_size}, "
                               f"the target has {d_t}")
+        d_e = int(target.model.get_input_embeddings().embedding_dim)
+        if d_e != config.hidden_size:
+            raise ConfigError(f"EAGLE-3 head {source} has hidden size {config.hidden_size}; it takes the target's "
+                              f"token embeddings, which are {d_e} wide")
         if config.vocab_size != target.vocab_size:
             raise ConfigError(f"EAGLE-3 head {source} drafts over a vocabulary of {config.vocab_size} tokens, "
                               f"the target has {target.vocab_size}: it was trained for another target")
@@ -366,14 +392,20 @@ def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torc
         weights["t2d"] = weights["t2d"].bool()
     if "d2t" in weights:
         weights["d2t"] = weights["d2t"].long()
-    missing, unexpected = head.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # shapes that disagree with config.json
+        raise ConfigError(f"EAGLE-3 head {source}: weights do not fit its config.json: {err}") from None
     missing = [m for m in missing if not m.startswith("rotary")]
     if missing or unexpected:
         raise ConfigError(f"EAGLE-3 head {source}: missing weights {missing}, unexpected {unexpected}")
     if dtype is None:
         dtype = target.head_weight.dtype if target is not None else torch.float32
     device = torch.device(device) if device is not None else (target.device if target is not None else None)
-    head = head.to(dtype=dtype)
+    frequencies = dict(head.rotary.named_buffers())  # float32, as transformers keeps them: a bfloat16 inv_freq
+    head = head.to(dtype=dtype)  # turns rotary angles at position 2000 by up to ~3.6 rad (rope_theta 5e5)
+    for name, value in frequencies.items():
+        setattr(head.rotary, name, value)
     if device is not None:
         head = head.to(device)
     return head.eval().requires_grad_(False)
@@ -469,9 +501,10 @@ class Eagle3Drafter:
     def _forward(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
         """Feed rows at positions start.. into the cache; return the last row's state (1, 1, d)."""
         device = self.head.d2t.device
-        ids = torch.tensor(tokens, dtype=torch.long, device=device).view(1, -1)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.target.input_device).view(1, -1)
         positions = torch.arange(start, start + ids.shape[1], device=device).view(1, -1)
-        state = self.head.state(self.embed(ids), hidden.view(1, ids.shape[1], -1), positions, self.cache.attend)
+        embeds = self.embed(ids).to(device)  # the embedding may sit on another GPU (device_map)
+        state = self.head.state(embeds, hidden.view(1, ids.shape[1], -1).to(device), positions, self.cache.attend)
         return state[:, -1:]
 
     def _draft_logits(self, state: torch.Tensor) -> torch.Tensor:
