@@ -123,16 +123,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def fidelity_of(decoder: Decoder, prompts: list[str], outputs: list[list[int]], max_new_tokens: int):
-    """Compare outputs with the target's greedy output (decoded with lossless greedy SD, which is identical)."""
-    reference = Decoder(decoder.pair, MethodConfig("sd", draft_len=decoder.config.draft_len,
-                                                   draft=decoder.config.draft), SamplingConfig())
-    if decoder.pair.draft is None:
-        reference = Decoder(decoder.pair, MethodConfig("ar"), SamplingConfig())
+    """Compare outputs with the target's greedy output, decoded autoregressively (as the runner's
+    reference: greedy SD may break a near-tie otherwise in bfloat16 on GPUs, and `--method sd` was then
+    compared with itself)."""
+    from .runner import GreedyReference
+
+    reference = GreedyReference(decoder.pair, (), max_new_tokens)
     results = []
     for prompt, output in zip(prompts, outputs, strict=True):
         ids = decoder.pair.encode(prompt)
-        greedy = reference.generate(ids, max_new_tokens=max_new_tokens).token_ids
-        results.append(compare_to_greedy(decoder.pair.target, ids, output, greedy))
+        greedy = reference.lookup(ids)
+        results.append(compare_to_greedy(decoder.pair.target, ids, output, greedy["token_ids"], greedy["nll"]))
     return results
 
 

@@ -93,3 +93,20 @@ def test_malformed_mined_file_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["judge", "train", "--mined", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "j")]) == 2
     assert "no mined file at" in capsys.readouterr().err
     assert not (tmp_path / "j.joblib").exists()
+
+
+def test_generate_fidelity_compares_with_the_targets_autoregressive_output():
+    """sd and ar give the same greedy tokens (the invariant), so both match the reference exactly; the
+    reference is AR's output and its NLL, not the method's own output decoded again."""
+    outputs = {}
+    for method in ("ar", "sd", "dropmatch"):
+        out = run("generate", "--pair", "tiny", "--method", method, "--max-new-tokens", "16", "--temperature", "0",
+                  "--prompt", "Hello there", "--json", "--fidelity")
+        assert out.returncode == 0, out.stderr
+        outputs[method] = json.loads(out.stdout)
+    reference = outputs["ar"]["fidelity"]
+    assert reference["exact_match"] and outputs["sd"]["fidelity"]["exact_match"]
+    assert outputs["sd"]["fidelity"]["greedy_nll"] == pytest.approx(reference["greedy_nll"])
+    dropmatch = outputs["dropmatch"]["fidelity"]
+    assert dropmatch["greedy_nll"] == pytest.approx(reference["greedy_nll"])
+    assert dropmatch["exact_match"] == (outputs["dropmatch"]["token_ids"] == outputs["ar"]["token_ids"])

@@ -309,11 +309,10 @@ def resolve_head_dir(source: str | Path) -> Path:
     from ..models import _from_pretrained
 
     local = Path(source).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").exists():
-            raise ModelNotFoundError(f"cannot load the EAGLE-3 head {str(source)!r}: {local} has no config.json")
-        return local
-    return _from_pretrained(_HubSnapshot, str(source))
+    directory = local if local.is_dir() else _from_pretrained(_HubSnapshot, str(source))
+    if not (directory / "config.json").exists():
+        raise ModelNotFoundError(f"cannot load the EAGLE-3 head {str(source)!r}: {directory} has no config.json")
+    return directory
 
 
 WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin")  # the weights (maybe sharded), not training_args.bin etc.
