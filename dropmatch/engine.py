@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafters import Draft, Drafter, FeatureDrafter
-from .errors import ConfigError, PromptTooLongError
+from .errors import ConfigError, PromptTooLongError, VocabularyMismatchError
 from .models import CausalLM, rollback
 from .rules import (
     Prefetching,
@@ -52,10 +52,27 @@ def verify_step(target: CausalLM, rule: VerificationRule, hidden: torch.Tensor, 
     prefetch = rule.prefetch(hidden, sampling, generator) if wants else None
     exact = not (sampling.greedy and screened_logits_ok(rule))
     logits, products = target.head_with_extra(hidden, prefetch.rows if prefetch else None, exact=exact)
+    check_draft(draft, logits.shape[0] - 1, logits.shape[-1])
     if prefetch is not None:
         prefetch.products = products
     return rule.verify(VerifyInput(draft.tokens, draft.probs, logits, hidden, sampling, generator, draft.logits,
                                    prefetch, logits_screened=target.screens(hidden.shape[0], exact)))
+
+
+def check_draft(draft: Draft, n_draft: int, vocab: int) -> None:
+    """``VocabularyMismatchError`` unless ``draft`` holds ``n_draft`` token ids in [0, ``vocab``) and its
+    distributions, if any, are (n_draft, vocab): a custom drafter over another vocabulary would otherwise
+    be verified silently against the wrong tokens (or fail deep inside a rule)."""
+    tokens = draft.tokens
+    if tokens.dim() != 1 or tokens.numel() != n_draft:
+        raise VocabularyMismatchError(f"the draft has {tuple(tokens.shape)} tokens for a verify step of {n_draft}")
+    if n_draft and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+        raise VocabularyMismatchError(f"draft token ids {tokens.tolist()} lie outside the target's vocabulary of {vocab}")
+    for name in ("probs", "logits"):
+        rows = getattr(draft, name)
+        if rows is not None and tuple(rows.shape) != (n_draft, vocab):
+            raise VocabularyMismatchError(f"draft {name} have shape {tuple(rows.shape)}; the verify step needs "
+                                          f"({n_draft}, {vocab}): one row per draft token over the target's vocabulary")
 
 
 def _cut_output(output: list[int], keep: int, stats: GenerationStats, last_target: bool) -> None:

@@ -36,7 +36,8 @@ class SamplingConfig:
         logits = logits.float()
         if self.greedy:
             return torch.softmax(logits, dim=-1)
-        probs = torch.softmax(logits / self.temperature, dim=-1)
+        # shifted by the maximum first: logits / T alone overflows to inf at a tiny T (NaN probabilities)
+        probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / self.temperature, dim=-1)
         return top_p_filter(probs, self.top_p) if self.top_p < 1 else probs
 
 

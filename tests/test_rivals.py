@@ -14,7 +14,16 @@ from dropmatch import cli
 from dropmatch.errors import ConfigError
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.models import load_pair
-from dropmatch.rules import FLyVerification, StandardVerification, StaticEnsembleVerification, VerifyInput
+from dropmatch.rules import (
+    DivergenceThreshold,
+    FLyVerification,
+    RelaxedVerification,
+    StandardVerification,
+    StaticEnsembleVerification,
+    TopK,
+    TypicalAcceptance,
+    VerifyInput,
+)
 from dropmatch.rules.fly import top_k_entropy
 from dropmatch.sampling import SamplingConfig, sample_with_uniform
 
@@ -314,3 +323,49 @@ def test_command_line_parameters(capsys):
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["stats"]["new_tokens"] == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Review fixes: impossible tokens, NaN settings, w = 1 on near-ties, drafts that do not fit
+
+
+def test_topk_never_accepts_a_token_the_target_rules_out():
+    logits = _rows(torch.tensor([5.0] + [-math.inf] * (V - 1)), _peak(0))
+    for token in range(1, V):  # any of them may be among torch's "top 2" ties
+        assert RelaxedVerification(TopK(2)).verify(_inp([token], logits)).n_accepted == 0
+    assert RelaxedVerification(TopK(V + 3)).verify(_inp([0], logits)).n_accepted == 1  # K past V: all possible ones
+    with pytest.raises(ConfigError, match="integer"):
+        TopK(2.5)
+
+
+@pytest.mark.parametrize("build", [lambda: DivergenceThreshold("js", math.nan), lambda: FLyVerification(math.nan),
+                                   lambda: TypicalAcceptance(0.09, math.nan)], ids=["divergence", "fly", "typical"])
+def test_nan_settings_are_refused(build):
+    with pytest.raises(ConfigError):
+        build()
+
+
+def test_ensemble_at_weight_one_is_standard_verification_on_near_ties():
+    near = torch.full((V,), -3.0)
+    near[0], near[1] = math.nextafter(0.1, 1.0), 0.1  # softmax gives both the same probability
+    logits = _rows(near, _peak(2))
+    assert torch.softmax(near, -1)[0] == torch.softmax(near, -1)[1]
+    for draft in ([0], [1]):
+        assert StaticEnsembleVerification(1.0).verify(_inp(draft, logits)) == StandardVerification().verify(_inp(draft, logits))
+
+
+def test_a_draft_that_does_not_fit_the_target_vocabulary_is_refused(tiny):
+    from dropmatch.drafters import Draft
+    from dropmatch.engine import verify_step
+    from dropmatch.errors import VocabularyMismatchError
+
+    target = tiny.target
+    vocab, hidden = target.vocab_size, torch.zeros(3, int(target.head_weight.shape[1]))
+    ok = torch.tensor([1, 2])
+    bad = [Draft(torch.tensor([1, vocab])), Draft(torch.tensor([-1, 2])), Draft(torch.tensor([1])),
+           Draft(ok, probs=torch.full((2, vocab + 2), 1.0 / (vocab + 2))), Draft(ok, logits=torch.zeros(2, vocab - 1))]
+    for draft in bad:
+        with pytest.raises(VocabularyMismatchError):
+            verify_step(target, StandardVerification(), hidden, draft, SAMPLE, torch.Generator().manual_seed(0))
+    verify_step(target, StandardVerification(), hidden, Draft(ok, logits=torch.zeros(2, vocab)), SAMPLE,
+                torch.Generator().manual_seed(0))

@@ -48,6 +48,34 @@ def test_rule_preserves_target_distribution(temperature, top_p):
     assert chisquare(counts[support], p[support] * counts.sum()).pvalue > P_MIN
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_rule_preserves_target_distribution_when_the_draft_gives_only_logits(temperature, top_p):
+    """A draft distribution given as logits (a custom drafter's), at the step's temperature / top-p: the
+    accept test and the residual must take the same q (the accept test took q = 1 before: 0.91 of the
+    mass on the target's top token where p gives it 0.71)."""
+    gen = torch.Generator().manual_seed(5)
+    sampling = SamplingConfig(temperature, top_p)
+    p_logits, q_logits = torch.randn(6, generator=gen) * 0.7, torch.randn(6, generator=gen) * 1.5
+    q = sampling.probs(q_logits)
+    assert int((sampling.probs(p_logits) > 0).sum()) >= 3  # a law with some spread to test
+    rule, counts = StandardVerification(), torch.zeros(6)
+    logits = torch.stack([p_logits, torch.zeros(6)])
+    for _ in range(20000):
+        x = sample_with_uniform(q, torch.rand((), generator=gen)).view(1)
+        verdict = rule.verify(VerifyInput(x, None, logits, torch.zeros(2, 4), sampling, gen, q_logits.view(1, -1)))
+        counts[int(x) if verdict.n_accepted == 1 else verdict.next_token] += 1
+    p = sampling.probs(p_logits)
+    assert counts[p == 0].sum() == 0
+    assert chisquare(counts[p > 0], p[p > 0] * counts.sum()).pvalue > P_MIN
+
+
+def test_a_tiny_temperature_is_a_one_hot_distribution_not_nan():
+    logits = torch.tensor([1.0, 30.0, 2.0, -math.inf])
+    for temperature in (1e-30, 1e-39, 1e-45):
+        probs = SamplingConfig(temperature).probs(logits)
+        assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0, 0.0])), temperature
+
+
 def test_rule_with_deterministic_draft_preserves_target_distribution():
     gen = torch.Generator().manual_seed(3)
     sampling = SamplingConfig(1.0)

@@ -81,6 +81,19 @@ class VerifyInput:
         ``sampling.probs``), else ``None`` (given probabilities, or a one-hot draft)."""
         return self.draft_logits[j] if self.draft_probs is None and self.draft_logits is not None else None
 
+    def draft_token_probs(self) -> torch.Tensor:
+        """q_j(x_j) (L,) float32 on the CPU: each draft token's probability under its draft distribution
+        (:meth:`draft_distribution`: the given probabilities, else the sampling transform of the draft
+        logits; 1 for deterministic drafts)."""
+        if self.draft_probs is not None:
+            q = self.draft_probs
+        elif self.draft_logits is not None:
+            q = self.sampling.probs(self.draft_logits)
+        else:
+            return torch.ones(self.n_draft)
+        rows = torch.arange(self.n_draft, device=q.device)
+        return q[rows, self.draft_tokens.to(q.device)].float().cpu()
+
     def draft_distribution(self, j: int) -> torch.Tensor:
         """Draft distribution (V,) at position j; one-hot for deterministic drafts."""
         if self.draft_probs is not None:

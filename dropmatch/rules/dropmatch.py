@@ -422,10 +422,7 @@ class DropMatch:
         peek = torch.Generator()
         peek.set_state(inp.generator.get_state())
         uniforms = torch.rand(inp.n_draft + 1, generator=peek)
-        rows = torch.arange(inp.n_draft, device=inp.draft_tokens.device)
-        q = (inp.draft_probs[rows, inp.draft_tokens].float().cpu() if inp.draft_probs is not None
-             else torch.ones(inp.n_draft))
-        return (uniforms[: inp.n_draft] * q).tolist()
+        return (uniforms[: inp.n_draft] * inp.draft_token_probs()).tolist()
 
     def prepare(self, inp: VerifyInput) -> PositionTest:
         masks = self.draw(inp)

@@ -70,8 +70,9 @@ class StaticEnsembleVerification:
         n = inp.n_draft
         draft = inp.draft_tokens.tolist()
         p = inp.sampling.probs(inp.target_logits[:n])
-        choice = self.mixture(p, draft_distributions(inp)).argmax(dim=-1).tolist()
         target = inp.target_logits.argmax(dim=-1).tolist()
+        # w = 1: argmax p from the logits, as standard verification (probabilities tie where logits do not)
+        choice = target[:n] if self.weight == 1 else self.mixture(p, draft_distributions(inp)).argmax(dim=-1).tolist()
         extra = 0
         for j in range(n):
             if draft[j] != choice[j]:

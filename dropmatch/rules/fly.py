@@ -58,8 +58,8 @@ class FLyVerification:
     """
 
     def __init__(self, entropy_threshold: float = 0.3, window: int = 5):
-        if entropy_threshold < 0:
-            raise ConfigError(f"FLy's entropy threshold must be >= 0, got {entropy_threshold}")
+        if not 0 <= entropy_threshold < float("inf"):  # NaN too: it would never keep a mismatch
+            raise ConfigError(f"FLy's entropy threshold must be a finite number >= 0, got {entropy_threshold}")
         if window < 0:
             raise ConfigError(f"FLy's window must be >= 0, got {window}")
         self.entropy_threshold, self.window = entropy_threshold, window

@@ -17,14 +17,17 @@ class TopK:
     """Accept a draft token that is among the target's K most likely tokens (AutoJudge's baseline)."""
 
     def __init__(self, k: int = 2):
-        if k < 1:
-            raise ConfigError(f"top-K acceptance needs K >= 1, got {k}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"top-K acceptance needs an integer K >= 1, got {k!r}")
         self.k = k
         self.name = f"topk-{k}"
 
     def prepare(self, inp: VerifyInput) -> PositionTest:
-        top = inp.target_logits[: inp.n_draft].topk(self.k, dim=-1).indices  # (L, K)
-        hits = (top == inp.draft_tokens.unsqueeze(-1)).any(dim=-1).tolist()
+        logits = inp.target_logits[: inp.n_draft]
+        top = logits.topk(min(self.k, logits.shape[-1]), dim=-1).indices  # (L, K)
+        # a token the target rules out (-inf, e.g. masked) is never accepted, even where fewer than K are possible
+        possible = logits.gather(-1, inp.draft_tokens.view(-1, 1)).squeeze(-1) > -math.inf
+        hits = ((top == inp.draft_tokens.unsqueeze(-1)).any(dim=-1) & possible).tolist()
         return lambda j: hits[j]
 
 
@@ -35,7 +38,7 @@ class TypicalAcceptance:
     """
 
     def __init__(self, eps: float = 0.09, delta: float = 0.3):
-        if not (0 < eps <= 1 and delta > 0):
+        if not (0 < eps <= 1 and 0 < delta < math.inf):  # NaN fails both
             raise ConfigError(f"typical acceptance needs 0 < eps <= 1 and delta > 0, got {eps}, {delta}")
         self.eps, self.delta = eps, delta
         self.name = f"typical-{eps:g}-{delta:g}"
@@ -60,8 +63,8 @@ class DivergenceThreshold:
     def __init__(self, metric: str = "js", threshold: float = 0.1):
         if metric not in self.METRICS:
             raise ConfigError(f"unknown divergence {metric!r}; choose js or kl")
-        if threshold < 0:
-            raise ConfigError(f"divergence threshold must be >= 0, got {threshold}")
+        if not 0 <= threshold < math.inf:  # NaN too: it would never accept
+            raise ConfigError(f"divergence threshold must be a finite number >= 0, got {threshold}")
         self.metric, self.threshold = metric, threshold
         self.name = f"divergence-{metric}-{threshold:g}"
 

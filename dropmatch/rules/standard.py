@@ -40,8 +40,7 @@ def _standard(inp: VerifyInput) -> _Standard:
     p = inp.sampling.probs(inp.target_logits)  # (L + 1, V)
     rows = torch.arange(n, device=p.device)
     p_draft = p[rows, draft].cpu()
-    q_draft = inp.draft_probs[rows, draft].cpu() if inp.draft_probs is not None else torch.ones(n)
-    accepts = uniforms[:n] * q_draft < p_draft
+    accepts = uniforms[:n] * inp.draft_token_probs() < p_draft  # the q of the residual below, however given
 
     def correction(j: int) -> int:
         residual = (p[j] - inp.draft_distribution(j)).clamp_(min=0.0)
