@@ -25,6 +25,10 @@ class DataError(DropMatchError, OSError):
     """A benchmark file is missing or does not hold what it should."""
 
 
+class SandboxError(DropMatchError, OSError):
+    """The code sandbox cannot run generated code here (HumanEval cannot be scored)."""
+
+
 class JudgeError(DropMatchError, OSError):
     """The LLM judge endpoint cannot be reached, refuses the request, or does not answer as an OpenAI-compatible
     chat-completions server does."""

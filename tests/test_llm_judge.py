@@ -88,6 +88,7 @@ def _server(status: int, body: bytes, seen: list[str]) -> HTTPServer:
     (200, b'{"data": []}', None, "did not answer as an OpenAI-compatible"),
     (404, b"no such route", None, "refused .*/chat/completions \\(HTTP 404"),
     (401, b"bad key", "HTTP 401.*DROPMATCH_JUDGE_API_KEY", "HTTP 401.*DROPMATCH_JUDGE_API_KEY"),
+    (200, b'{"choices": [{"message": {"content": null}}]}', None, "did not answer as an OpenAI-compatible"),
 ])
 def test_endpoint_errors_are_clear(status, body, check_error, complete_error):
     """check() passes any server that answers (even without a model list) unless it refuses the key; a
@@ -165,3 +166,35 @@ def test_judge_example_grades_both_turns(fake_judge):
     judge_example(endpoint, prompts, math, ["4", "6"])
     assert "Reference" in seen[-1]["messages"][1]["content"]
     assert set(load_judge_prompts("komt_bench")) >= {"single-v1", "single-math-v1-multi-turn"}
+
+
+def test_an_endpoint_that_does_not_speak_http_is_a_clear_error():
+    import socket
+
+    with socket.socket() as server:  # answers every connection with an SSH banner, as port 22 does
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+
+        def banner():
+            for _ in range(2):
+                conn, _ = server.accept()
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+                conn.close()
+
+        threading.Thread(target=banner, daemon=True).start()
+        endpoint = JudgeEndpoint(f"http://127.0.0.1:{server.getsockname()[1]}/v1", "judge")
+        for call in (endpoint.check, lambda: endpoint.complete("system", "user")):
+            with pytest.raises(JudgeError, match="is not reachable"):
+                call()
+
+
+@pytest.mark.parametrize("content", [b"not json\n", b'{"name": "x"}\n[1, 2]\n', b"\xff\xfe\n"])
+def test_malformed_judge_prompts_are_a_data_error(tmp_path, content):
+    from dropmatch.errors import DataError
+    from dropmatch.tasks.llm_judge import PROMPT_FILES, load_judge_prompts
+
+    path = tmp_path / PROMPT_FILES["mt_bench"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    with pytest.raises(DataError, match="judge prompts"):
+        load_judge_prompts("mt_bench", tmp_path)

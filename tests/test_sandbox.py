@@ -237,8 +237,9 @@ def test_python_level_network_guard():
     assert result.passed and "refused" in result.stdout
 
 
-@needs_namespaces
-def test_no_network_even_around_python():
+def _raw_connect(**where):
+    """Run a program that connects to a local TCP server with raw libc calls (around the Python guard)
+    and fails unless it gets through; check that the server got no connection. The result."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(4)
@@ -252,9 +253,15 @@ def test_no_network_even_around_python():
             rc = libc.connect(fd, addr, len(addr))
             print("connect", rc, ctypes.get_errno())
             assert rc == 0, "no connection"
-        """), FAST)
+        """), FAST, **where)
         with pytest.raises(socket.timeout):
             server.accept()
+    return result
+
+
+@needs_namespaces
+def test_no_network_even_around_python():
+    result = _raw_connect()
     assert result.status == "failed" and "connect -1" in result.stdout
 
 
@@ -419,3 +426,53 @@ def test_symlinks_on_the_way_to_an_exposed_path_are_recreated(tmp_path):
     assert links == [(str(tmp_path / "usr"), "real"), (str(tmp_path / "real" / "lib" / "py"),
                                                          str(tmp_path / "real" / "lib"))]
     assert _symlinks_on(str(tmp_path / "real" / "lib")) == []
+
+
+def _landlock_abi() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return max(0, libc.syscall(444, None, 0, 1))  # landlock_create_ruleset(NULL, 0, VERSION)
+
+
+@pytest.mark.skipif(not landlock_available() or _landlock_abi() < 4, reason="needs Landlock ABI >= 4 (TCP rules)")
+def test_landlock_alone_keeps_the_program_off_tcp():
+    """Without namespaces (a non-root user's sandbox) the network namespace is gone; Landlock refuses
+    TCP connect itself (before: the program reached a local server through raw ctypes calls)."""
+    result = _raw_connect(namespaces=False, landlock=True)
+    assert result.status == "failed" and "connect -1" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not landlock_available() or _landlock_abi() < 6, reason="needs Landlock ABI >= 6 (signal scoping)")
+def test_landlock_alone_keeps_the_program_from_signalling_processes_outside():
+    """A process outside the sandbox running as the program's own user (as the evaluator does for a
+    non-root user) cannot be signalled: signal 0, the existence probe, is refused with EPERM."""
+    import pwd
+    import subprocess
+
+    user = {"user": "nobody"} if os.getuid() == 0 else {}  # as root the program runs as nobody
+    outsider = subprocess.Popen(["sleep", "60"], **user)
+    try:
+        result = run_python(program(f"""
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            print("kill", libc.kill({outsider.pid}, 0), ctypes.get_errno())
+        """), FAST, namespaces=False, landlock=True)
+        assert outsider.poll() is None
+    finally:
+        outsider.kill()
+        outsider.wait()
+    assert pwd.getpwnam("nobody") and result.passed and "kill -1 1" in result.stdout, result.stdout + result.stderr
+
+
+def test_an_output_cap_of_zero_keeps_nothing():
+    result = run_python("print('x' * 1000)\n", Limits(timeout_s=3.0, max_output_bytes=0))
+    assert result.passed and result.stdout == ""
+
+
+def test_humaneval_is_not_scored_where_the_sandbox_refuses(monkeypatch):
+    from dropmatch.errors import SandboxError
+    from dropmatch.tasks import sandbox
+
+    monkeypatch.setattr(sandbox, "namespaces_available", lambda: False)
+    monkeypatch.setattr(sandbox, "landlock_available", lambda: False)
+    with pytest.raises(SandboxError, match="sandbox refused"):
+        metrics.humaneval_pass("def f():\n", "    return 1\n", "def check(f):\n    assert f() == 1\n", "f", FAST)

@@ -269,3 +269,57 @@ def test_hub_fallback_goes_through_the_same_loader(tmp_path, monkeypatch):
     assert mmlu[0].prompt.count("Answer: D\n\n") == 5
     assert load_task("klue_nli", data_dir=tmp_path)[0].reference == "contradiction"
     assert calls == [("cais/mmlu", "all", "test"), ("cais/mmlu", "all", "dev"), ("klue/klue", "nli", "validation")]
+
+
+@pytest.mark.parametrize("task,source,path,good,bad,message", [
+    ("gsm8k", "gsm8k", "gsm8k/test.jsonl", {"question": "q?", "answer": "w\n#### 1"}, {"question": "q?"}, "lacks answer"),
+    ("gsm8k", "gsm8k", "gsm8k/test.jsonl", {"question": "q?", "answer": "w\n#### 1"},
+     {"question": "q?", "answer": "18"}, "without its '#### <number>'"),
+    ("humaneval", "humaneval", "humaneval/HumanEval.jsonl.gz", None, None, "lacks test"),
+    ("ifeval", "ifeval", "ifeval/input_data.jsonl",
+     {"key": 1, "prompt": "p", "instruction_id_list": ["a", "b"], "kwargs": [{}, {}]},
+     {"key": 2, "prompt": "p", "instruction_id_list": ["a", "b"], "kwargs": [{}]}, "different lengths"),
+    ("mt_bench", "mt_bench", "mt_bench/question.jsonl", {"question_id": 1, "category": "c", "turns": ["a", "b"]},
+     {"question_id": 2, "category": "c"}, "lacks turns"),
+    ("klue_nli", "klue_nli", "korean_text/klue-nli-v1.1_dev.json",
+     {"guid": "g", "premise": "p", "hypothesis": "h", "gold_label": "neutral", "source": "s"},
+     {"guid": "g2", "premise": "p", "hypothesis": "h", "source": "s"}, "lacks gold_label"),
+    ("kullm", "kullm", "korean_text/user_oriented_instructions_eval.jsonl",
+     {"id": "k", "instruction": "i", "instances": [{"input": "", "output": "o"}], "motivation_app": "m"},
+     {"id": "k2", "instruction": "i", "instances": [], "motivation_app": "m"}, "no instance"),
+])
+def test_malformed_records_are_a_data_error_naming_the_record(tmp_path, monkeypatch, offline, task, source, path,
+                                                               good, bad, message):
+    """A record without a field the loader needs, or with a value out of range, is a DataError naming the
+    file and the record, not an AttributeError / IndexError, nor a silent None reference."""
+    if good is None:  # humaneval: gzip of jsonl
+        import gzip
+
+        good = {"task_id": "t/0", "prompt": "def f():\n", "test": "def check(f): pass\n", "entry_point": "f",
+                "canonical_solution": "    pass\n"}
+        bad = {k: v for k, v in good.items() if k != "test"}
+        file = tmp_path / path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_bytes(gzip.compress((json.dumps(good) + "\n" + json.dumps(bad) + "\n").encode()))
+    else:
+        write_jsonl(tmp_path / path, [good, bad])
+    if task == "gsm8k":
+        write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [good] * 8)
+    counts = {source: 2, "gsm8k_train": 8}
+    monkeypatch.setattr(data_mod, "SOURCES", {k: dataclasses.replace(v, count=counts.get(k, v.count))
+                                               for k, v in data_mod.SOURCES.items()})
+    with pytest.raises(DataError, match=message) as err:
+        load_task(task, data_dir=tmp_path)
+    assert "record 1 of" in str(err.value) and str(tmp_path / path) in str(err.value)
+
+
+def test_mmlu_answer_out_of_range_is_a_data_error(tmp_path, monkeypatch, offline):
+    header = "question,choice0,choice1,choice2,choice3,answer\n"
+    for split, answer in (("test", 7), ("dev", 1)):
+        path = tmp_path / "mmlu" / split / f"zoology_{split}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(header + f"q,a,b,c,d,{answer}\n")
+    monkeypatch.setattr(data_mod, "SOURCES", {k: dataclasses.replace(v, count=1 if k.startswith("mmlu") else v.count)
+                                               for k, v in data_mod.SOURCES.items()})
+    with pytest.raises(DataError, match="answer 7, not a choice index"):
+        load_task("mmlu", data_dir=tmp_path)

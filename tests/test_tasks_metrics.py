@@ -28,6 +28,10 @@ ADD = Example(
     ("#### 72\n\nQuestion: another one with 5 apples", "72"),  # the first "####" wins
     ("First 12, then 7, and finally 2125", "2,125"),  # no "####": the last number
     ("#### 0.5", ".5"),
+    ("Total eggs left:\n- 18", "18"),  # a list dash, not a minus
+    ("She works 9-5 and earns 18", "18"),
+    ("She works 9-5", "5"),  # a range's hyphen, not a minus
+    ("x = -$3", "-3"),
 ])
 def test_gsm8k_right(output, reference):
     assert metrics.gsm8k_exact_match(output, reference) == 1.0

@@ -48,6 +48,8 @@ LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
 LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 LL_MAKE_CHAR, LL_MAKE_BLOCK, LL_TRUNCATE = 1 << 7, 1 << 11, 1 << 14
 LL_HANDLED_BITS = {1: 13, 2: 14, 3: 15, 4: 15}  # filesystem rights per Landlock ABI; 16 from ABI 5 on
+LL_NET_BIND_TCP, LL_NET_CONNECT_TCP = 1 << 0, 1 << 1  # handled_access_net, from ABI 4
+LL_SCOPE_ABSTRACT_UNIX_SOCKET, LL_SCOPE_SIGNAL = 1 << 0, 1 << 1  # scoped, from ABI 6
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -177,12 +179,18 @@ def _read_rights(path: str) -> int:
 
 def _restrict_with_landlock(readable: list[str], work: str) -> None:
     """From now on this process and its children may read ``readable`` and write only ``work``;
-    no execve, no device nodes. Needs no-new-privs (set by _harden_process)."""
+    no execve, no device nodes; where the kernel's Landlock has them (ABI 4 / 6), no TCP bind or
+    connect, and no signals or abstract Unix sockets to processes outside the sandbox (without
+    namespaces, the program would otherwise reach the network and could kill the evaluator, which runs
+    as the same user). Needs no-new-privs (set by _harden_process)."""
     abi = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
     if abi < 1:
         raise OSError(ctypes.get_errno(), "Landlock is not available")
     handled = _landlock_rights(abi)
-    attr = ctypes.c_uint64(handled)  # struct landlock_ruleset_attr { handled_access_fs; ... }
+    # struct landlock_ruleset_attr { handled_access_fs; handled_access_net (ABI 4); scoped (ABI 6) }
+    fields = [handled] + ([LL_NET_BIND_TCP | LL_NET_CONNECT_TCP] if abi >= 4 else [])
+    fields += [LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL] if abi >= 6 else []
+    attr = (ctypes.c_uint64 * len(fields))(*fields)  # no network rule: every TCP bind / connect is refused
     ruleset = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.sizeof(attr), 0)
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset")

@@ -198,7 +198,52 @@ def _records(key: str, root: Path) -> Any:
     if n != src.count:
         raise DataError(f"{key}: {path} holds {n} records, expected {src.count} {src.what}; "
                         "replace it with the file listed in data/README.md")
+    for i, record in enumerate(r for rows in (data.values() if isinstance(data, dict) else [data]) for r in rows):
+        problem = _record_problem(key, record)
+        if problem:
+            raise DataError(f"{key}: record {i} of {path} {problem}; expected {src.what} "
+                            "(replace the file with the one listed in data/README.md)")
     return data
+
+
+_TEXT, _ID = (str,), (str, int)
+# The fields each source's records must hold, by type (a JSON loader gives absent fields as None).
+FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "gsm8k": {"question": _TEXT, "answer": _TEXT},
+    "mmlu": {"question": _TEXT, **{f"choice{i}": (str, int, float) for i in range(4)}, "answer": (int, str)},
+    "humaneval": {"task_id": _TEXT, "prompt": _TEXT, "test": _TEXT, "entry_point": _TEXT,
+                  "canonical_solution": _TEXT},
+    "ifeval": {"key": _ID, "prompt": _TEXT, "instruction_id_list": (list,), "kwargs": (list,)},
+    "mt_bench": {"question_id": _ID, "category": _TEXT, "turns": (list,)},
+    "klue_nli": {"guid": _TEXT, "premise": _TEXT, "hypothesis": _TEXT, "gold_label": _TEXT, "source": _TEXT},
+    "kullm": {"id": _ID, "instruction": _TEXT, "instances": (list,), "motivation_app": _TEXT},
+}
+FIELDS.update(gsm8k_train=FIELDS["gsm8k"], mmlu_dev=FIELDS["mmlu"], komt_bench=FIELDS["mt_bench"])
+
+
+def _record_problem(key: str, record: Any) -> str | None:
+    """What is wrong with one record of ``SOURCES[key]`` (a missing or mistyped field, a value out of
+    range), or ``None``."""
+    if not isinstance(record, dict):
+        return f"is a {type(record).__name__}, not an object"
+    wrong = [f for f, kinds in FIELDS.get(key, {}).items()
+             if not isinstance(record.get(f), kinds) or isinstance(record.get(f), bool)]
+    if wrong:
+        return f"lacks {', '.join(wrong)} (or holds another type)"
+    if key in ("mmlu", "mmlu_dev") and str(record["answer"]) not in ("0", "1", "2", "3"):
+        return f"has answer {record['answer']!r}, not a choice index 0-3"
+    if key == "klue_nli" and record["gold_label"] not in NLI_IDS:
+        return f"has gold_label {record['gold_label']!r}, not one of {', '.join(NLI_IDS)}"
+    if key == "ifeval" and len(record["kwargs"]) != len(record["instruction_id_list"]):
+        return "has kwargs and instruction_id_list of different lengths"
+    if key == "kullm" and not (record["instances"] and isinstance(record["instances"][0], dict)
+                               and all(isinstance(record["instances"][0].get(f), str) for f in ("input", "output"))):
+        return "has no instance with an input and an output text"
+    if key in ("gsm8k", "gsm8k_train") and "####" not in record["answer"]:
+        return "has an answer without its '#### <number>' line"
+    if key in ("mt_bench", "komt_bench") and not (record["turns"] and all(isinstance(t, str) for t in record["turns"])):
+        return "has no turns of text"
+    return None
 
 
 def _read_local(key: str, src: Source, path: Path) -> Any:

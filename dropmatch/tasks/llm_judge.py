@@ -10,6 +10,7 @@ runs unless an endpoint is configured; offline the project reports reference-fre
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -67,7 +68,7 @@ class JudgeEndpoint:
             hint = ": set DROPMATCH_JUDGE_API_KEY" if err.code in (401, 403) else ""
             raise JudgeError(f"the judge endpoint {self.url} refused {request.full_url} (HTTP {err.code} "
                              f"{err.reason}){hint}") from None
-        except OSError as err:  # URLError (refused, DNS), timeouts
+        except (OSError, http.client.HTTPException) as err:  # URLError (refused, DNS), timeouts, not HTTP
             reason = getattr(err, "reason", err)
             raise JudgeError(f"the judge endpoint {self.url} is not reachable ({reason}); check --judge-url or "
                              "DROPMATCH_JUDGE_URL") from None
@@ -85,7 +86,10 @@ class JudgeEndpoint:
         request = urllib.request.Request(f"{self.url}/chat/completions", data=body.encode(), headers=self._headers())
         reply = self._open(request, self.timeout_s)
         try:
-            return json.loads(reply)["choices"][0]["message"]["content"]
+            content = json.loads(reply)["choices"][0]["message"]["content"]
+            if not isinstance(content, str):  # null: a refusal, or a reasoning model's reply elsewhere
+                raise TypeError(content)
+            return content
         except (ValueError, KeyError, IndexError, TypeError):
             raise JudgeError(f"the judge endpoint {self.url} did not answer as an OpenAI-compatible chat-completions "
                              f"server does (no choices[0].message.content in {reply[:200]!r})") from None
@@ -103,7 +107,12 @@ def load_judge_prompts(task: str, root: str | Path | None = None) -> dict[str, d
     path = Path(root or data_dir()) / PROMPT_FILES[task]
     if not path.is_file():
         raise DataError(f"no judge prompts at {path}: the benchmark data directory lacks {PROMPT_FILES[task]}")
-    return {r["name"]: r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") == "single"}
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = {r["name"]: r for r in rows if r.get("type") == "single"}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # UnicodeDecodeError is a ValueError
+        raise DataError(f"{path} does not hold judge prompts as FastChat's judge_prompts.jsonl does ({err!r})") from None
+    return prompts
 
 
 def judge_example(endpoint: JudgeEndpoint, prompts: dict[str, dict], example: Example,

@@ -29,6 +29,7 @@ import re
 from collections.abc import Iterable, Sequence
 from decimal import Decimal, InvalidOperation
 
+from ..errors import SandboxError
 from . import ifeval
 from .data import Example
 from .prompts import NLI_LABELS, generation_defaults, truncate_at_stop
@@ -36,7 +37,8 @@ from .sandbox import Limits, SandboxResult, run_python
 
 # --- GSM8K ---------------------------------------------------------------------------------
 
-_NUMBER = re.compile(r"-?\$?\s?\d[\d,]*(?:\.\d+)?|-?\$?\s?\.\d+")
+# a minus right before the number (or its "$"), not after a word or digit ("9-5" is 5) nor apart ("- 18" is 18)
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\$\s?)?\d[\d,]*(?:\.\d+)?|(?:(?<![\w.])-)?(?:\$\s?)?\.\d+")
 _FINAL = re.compile(r"####\s*(" + _NUMBER.pattern + ")")
 
 
@@ -94,7 +96,14 @@ def humaneval_run(prompt: str, completion: str, test: str, entry_point: str,
 
 def humaneval_pass(prompt: str, completion: str, test: str, entry_point: str,
                    limits: Limits | None = None) -> float:
-    return float(humaneval_run(prompt, completion, test, entry_point, limits).passed)
+    """1.0 if the completion passes the tests in the sandbox, else 0.0. ``SandboxError`` where the
+    sandbox refused to start the program (no isolation here, or it could not be launched): a score of 0
+    there would be silently wrong. A failed setup inside the sandbox counts as not passed: the program
+    can fake that exit status."""
+    result = humaneval_run(prompt, completion, test, entry_point, limits)
+    if result.status == "error" and result.returncode is None:
+        raise SandboxError(f"HumanEval cannot be scored here: {result.stderr}")
+    return float(result.passed)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

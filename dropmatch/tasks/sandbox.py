@@ -321,7 +321,7 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, 
                 continue
             buf = bufs[key.fd]
             buf += chunk
-            del buf[:-cap]
+            del buf[: max(len(buf) - cap, 0)]  # the last ``cap`` bytes (none for cap 0; buf[:-0] is empty)
     sel.close()
     return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), timed_out
 
