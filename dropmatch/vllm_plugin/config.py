@@ -34,6 +34,8 @@ class DropMatchVllmConfig:
         check_criterion_args(self.criterion, self.majority)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"dropmatch seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enabled, bool):  # "false" from a JSON string would be truthy
+            raise ConfigError(f"dropmatch enabled must be true or false, got {self.enabled!r}")
 
     def updated(self, **changes: Any) -> DropMatchVllmConfig:
         """A copy with ``changes`` applied (checked like the original)."""

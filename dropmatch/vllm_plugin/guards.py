@@ -3,8 +3,8 @@
 * ``EngineArgs.create_engine_config`` (``LLM(...)`` and ``vllm serve`` both build their engine
   config there): an untested vLLM version, a bad ``additional_config["dropmatch"]``, no speculative
   decoding, pipeline parallelism, or an explicit ``VLLM_USE_V2_MODEL_RUNNER=1``.
-* ``InputProcessor._validate_params`` (every request, both entry points): sampling (temperature > 0);
-  DropMatch in vLLM is greedy only.
+* ``InputProcessor._validate_params`` (every request, both entry points): sampling (temperature > 0)
+  and repetition / presence / frequency penalties; DropMatch in vLLM is greedy only, on the raw logits.
 """
 
 from __future__ import annotations
@@ -74,6 +74,15 @@ def _validate_params(original):
                 f"DropMatch in vLLM supports greedy decoding only (temperature=0); this request has "
                 f"temperature={params.temperature}. Send temperature=0, or start the engine without "
                 f"additional_config['dropmatch'].", parameter="temperature", value=params.temperature)
+        penalties = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        for name, neutral in penalties.items():
+            value = getattr(params, name, neutral)
+            if isinstance(params, SamplingParams) and value != neutral:  # the heads see the raw logits
+                raise _greedy_only_error()(
+                    f"DropMatch in vLLM does not support {name} (got {value}): vLLM applies it to the verified "
+                    f"logits, not to the dropout heads, so even p_drop = 0 would accept what the penalised "
+                    f"target rejects. Leave it at {neutral}, or start the engine without "
+                    f"additional_config['dropmatch'].", parameter=name, value=value)
         return result
     return _validate_params
 

@@ -103,9 +103,12 @@ def relax_step(ctx: VerifyContext, output: torch.Tensor, draft_token_ids: torch.
         seeds = [position_seed(config.seed, keys[row_of[f]], ctx.first_positions[row_of[f]] + f - starts[row_of[f]])
                  for f in flat]
         index = torch.tensor(flat, device=hidden.device)
-        masks = draw_masks(seeds, config.k, hidden.shape[-1], config.p_drop, hidden.device)
-        heads = dropout_head_logits(ctx.compute_logits, hidden[index], masks, config.p_drop)
         processed = target_logits[index].float()
+        if config.p_drop == 0:  # every head is the target: its very logits, not a recomputation that a near-tie
+            heads = processed.unsqueeze(1).expand(-1, config.k, -1)  # could break otherwise (batch-shape rounding)
+        else:
+            masks = draw_masks(seeds, config.k, hidden.shape[-1], config.p_drop, hidden.device)
+            heads = dropout_head_logits(ctx.compute_logits, hidden[index], masks, config.p_drop)
         vocab = min(heads.shape[-1], processed.shape[-1])
         # tokens vLLM's logits processors forbid (bad words, min_tokens, allowed ids) stay forbidden
         heads = heads[..., :vocab].masked_fill((processed[:, :vocab] == float("-inf")).unsqueeze(1), float("-inf"))

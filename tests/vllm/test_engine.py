@@ -69,6 +69,15 @@ def test_batch_of_8_does_not_change_a_request_at_p_drop_0(llm):
     assert batched == alone
 
 
+def test_penalties_are_refused(llm):
+    from vllm import SamplingParams
+
+    llm.collective_rpc("dropmatch_set", kwargs={"enabled": True, "p_drop": 0.0})
+    for penalty in ({"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}):
+        with pytest.raises(ValueError, match=f"does not support {next(iter(penalty))}"):
+            llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, **penalty), use_tqdm=False)
+
+
 def test_sampling_is_refused(llm):
     from vllm import SamplingParams
 

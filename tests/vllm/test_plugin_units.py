@@ -28,6 +28,8 @@ def test_config_parsing_and_refusals():
         from_additional_config({"dropmatch": {"kk": 5}})
     with pytest.raises(ConfigError, match="must be a mapping"):
         from_additional_config({"dropmatch": 5})
+    with pytest.raises(ConfigError, match="enabled must be true or false"):
+        from_additional_config({"dropmatch": {"enabled": "false"}})  # a string: truthy
 
 
 def _batch():
@@ -153,6 +155,11 @@ def test_relax_step_accepts_through_the_criterion_and_counts():
     # heads that pick another token: nothing changes
     ctx = _context(6, DropMatchVllmConfig(k=3, p_drop=0.3, criterion="naive"))
     assert relax_step(ctx, out, drafts, [2], None, target_logits, torch.tensor([[7]]), greedy) is out
+    # p_drop = 0: the heads are vLLM's verified logits themselves, not a recomputation (which these heads,
+    # picking 3, stand for: a near-tie broken otherwise by the batch shape), so nothing more is accepted
+    ctx = _context(3, DropMatchVllmConfig(k=3, p_drop=0.0, criterion="naive"))
+    assert relax_step(ctx, out, drafts, [2], None, target_logits, torch.tensor([[7]]), greedy) is out
+    assert ctx.state.stats.positions_tested == 1 and ctx.state.stats.extra_accepted == 0
     # a draft token vLLM's logits processors forbid (-inf) is never accepted
     target_logits[1, 3] = float("-inf")
     ctx = _context(3, DropMatchVllmConfig(k=3, p_drop=0.3, criterion="naive"))
