@@ -90,6 +90,9 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
     * ``draft_acceptance`` (mean over examples) and ``verify_ms_per_step`` (pooled), with ``_lo`` /
       ``_hi``; ``extra_accepts_per_step``.
     """
+    for role, name in (("baseline", baseline), ("lossless", lossless)):
+        if name is not None and name not in configs:  # before any decoding, not after every config ran
+            raise ConfigError(f"{role} {name!r} is not one of the configs: {', '.join(configs)}")
     results_dir = Path(results_dir)
     budget = token_budget(task, max_new_tokens, task_budgets)
     judge = llm_judge or (judge_from_env() if task in PROMPT_FILES else None)
@@ -131,6 +134,8 @@ def run_cells(pair: ModelPair, task: str, cells: Mapping[str, tuple[MethodConfig
     def size(n: int | None) -> float:
         return math.inf if n is None else n
 
+    if baseline not in cells:
+        raise ConfigError(f"baseline {baseline!r} is not one of the cells: {', '.join(cells)}")
     groups: dict[int | None, dict[str, MethodConfig]] = {}
     for name, (config, n) in cells.items():
         if size(n) > size(cells[baseline][1]):

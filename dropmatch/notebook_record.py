@@ -108,9 +108,14 @@ def _path_replacements(root: Path) -> list[tuple[str, str]]:
 
 
 def _replace(text: str, replace: list[tuple[str, str]]) -> str:
+    """``text`` with each path ``old`` (and what lies under it) written as ``new``: only where a path
+    starts (not inside /mnt/work/main) and ends (not /work/main2 or /work/main.git; a full stop after it
+    ends a sentence)."""
     for old, new in replace:
-        text = text.replace(old + "/", "" if new == "." else new + "/")
-        text = re.sub(re.escape(old) + r"(?![\w.-])", new, text)  # the bare path, not /work/main2
+        start = r"(?<![\w./-])" + re.escape(old)
+        under, bare = ("" if new == "." else new + "/"), new  # literal replacements (no group references)
+        text = re.sub(start + "/", lambda _, under=under: under, text)
+        text = re.sub(start + r"(?![\w-]|\.[\w-])", lambda _, bare=bare: bare, text)
     return text
 
 

@@ -165,3 +165,14 @@ def test_headline_cells_get_30_prompts_by_default():
     for prefix in ("03_", "04_", "05_"):
         (params,) = [v for k, v in declared.items() if k.startswith(prefix)]
         assert reproduce.parse_value(params["n_headline"]["default"]) >= 30
+
+
+def test_unknown_baseline_or_lossless_names_are_refused_before_any_decoding(tiny, tmp_path):
+    configs = {"SD": MethodConfig("sd"), "DM": MethodConfig("dropmatch")}
+    with pytest.raises(ConfigError, match="baseline 'sd' is not one of the cells"):
+        experiments.run_cells(tiny, "klue_nli", {k: (c, 1) for k, c in configs.items()}, tmp_path, baseline="sd",
+                              progress=False)
+    for role in ("baseline", "lossless"):
+        with pytest.raises(ConfigError, match=f"{role} 'AR' is not one of the configs"):
+            experiments.run_methods(tiny, "klue_nli", configs, tmp_path, n_prompts=1, progress=False, **{role: "AR"})
+    assert not list(tmp_path.iterdir())  # refused before anything was decoded

@@ -83,3 +83,13 @@ def test_progress_text_keeps_each_bars_last_state():
     text = "\rx:  50%|█████     | 1/2 [00:01<00:01, 1.0it/s]\rx: 100%|██████████| 2/2 [00:02<00:00, 1.0it/s]\nok\n"
     assert nr.progress_text(text) == "x: 100%|██████████| 2/2\nok\n"
     assert nr.progress_text("steps: 5it [00:01, 3.2it/s]\n") == "steps: 5it\n"
+
+
+def test_paths_are_stripped_where_they_start_and_end():
+    from dropmatch.notebook_record import _replace
+
+    replace = [("/work/main", "."), ("/root", "~")]
+    assert _replace("see /work/main/data/x.csv and /root/.cache", replace) == "see data/x.csv and ~/.cache"
+    assert _replace("a cache under /root.", replace) == "a cache under ~."  # the sentence's full stop is not the path's
+    for kept in ("mounted at /mnt/work/main/data", "/work/main2/x", "/work/main.git", "a/root/b"):
+        assert _replace(kept, replace) == kept
