@@ -347,7 +347,9 @@ def test_nan_settings_are_refused(build):
 
 def test_ensemble_at_weight_one_is_standard_verification_on_near_ties():
     near = torch.full((V,), -3.0)
-    near[0], near[1] = math.nextafter(0.1, 1.0), 0.1  # softmax gives both the same probability
+    near[0] = 0.1
+    near[1] = torch.nextafter(near[0], torch.tensor(1.0))  # the argmax is 1; softmax gives both the same probability
+    assert near[1] > near[0]
     logits = _rows(near, _peak(2))
     assert torch.softmax(near, -1)[0] == torch.softmax(near, -1)[1]
     for draft in ([0], [1]):
