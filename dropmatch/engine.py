@@ -66,8 +66,11 @@ def check_draft(draft: Draft, n_draft: int, vocab: int) -> None:
     tokens = draft.tokens
     if tokens.dim() != 1 or tokens.numel() != n_draft:
         raise VocabularyMismatchError(f"the draft has {tuple(tokens.shape)} tokens for a verify step of {n_draft}")
-    if n_draft and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
-        raise VocabularyMismatchError(f"draft token ids {tokens.tolist()} lie outside the target's vocabulary of {vocab}")
+    if n_draft:
+        low, high = torch.aminmax(tokens)  # one reduction (one sync on a GPU)
+        if not 0 <= int(low) <= int(high) < vocab:
+            raise VocabularyMismatchError(f"draft token ids {tokens.tolist()} lie outside the target's vocabulary "
+                                          f"of {vocab}")
     for name in ("probs", "logits"):
         rows = getattr(draft, name)
         if rows is not None and tuple(rows.shape) != (n_draft, vocab):

@@ -387,10 +387,7 @@ def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torc
             raise ConfigError(f"{source}: no lm_head.weight (and no target to tie it to)")
         ids = (torch.arange(config.draft_vocab_size) + weights["d2t"].long()).to(target.head_weight.device)
         weights["lm_head.weight"] = target.head_weight[ids].detach().float().cpu()
-    if "t2d" in weights:
-        weights["t2d"] = weights["t2d"].bool()
-    if "d2t" in weights:
-        weights["d2t"] = weights["d2t"].long()
+    weights["t2d"], weights["d2t"] = weights["t2d"].bool(), weights["d2t"].long()  # both present (rebuilt above)
     try:
         missing, unexpected = head.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # shapes that disagree with config.json

@@ -81,18 +81,24 @@ class VerifyInput:
         ``sampling.probs``), else ``None`` (given probabilities, or a one-hot draft)."""
         return self.draft_logits[j] if self.draft_probs is None and self.draft_logits is not None else None
 
+    def draft_distributions(self) -> torch.Tensor:
+        """(L, V) draft distributions, float32: ``draft_probs``, else the sampling transform of
+        ``draft_logits``, else one-hot (row j of this is :meth:`draft_distribution` (j))."""
+        if self.draft_probs is not None:
+            return self.draft_probs.float()
+        if self.draft_logits is not None:
+            return self.sampling.probs(self.draft_logits)
+        one_hot = torch.zeros(self.n_draft, self.target_logits.shape[-1], device=self.target_logits.device)
+        return one_hot.scatter_(1, self.draft_tokens.view(-1, 1), 1.0)
+
     def draft_token_probs(self) -> torch.Tensor:
         """q_j(x_j) (L,) float32 on the CPU: each draft token's probability under its draft distribution
-        (:meth:`draft_distribution`: the given probabilities, else the sampling transform of the draft
-        logits; 1 for deterministic drafts)."""
-        if self.draft_probs is not None:
-            q = self.draft_probs
-        elif self.draft_logits is not None:
-            q = self.sampling.probs(self.draft_logits)
-        else:
+        (:meth:`draft_distributions`; 1 for deterministic drafts, without building their one-hot rows)."""
+        if self.draft_probs is None and self.draft_logits is None:
             return torch.ones(self.n_draft)
+        q = self.draft_distributions()
         rows = torch.arange(self.n_draft, device=q.device)
-        return q[rows, self.draft_tokens.to(q.device)].float().cpu()
+        return q[rows, self.draft_tokens.to(q.device)].cpu()
 
     def draft_distribution(self, j: int) -> torch.Tensor:
         """Draft distribution (V,) at position j; one-hot for deterministic drafts."""

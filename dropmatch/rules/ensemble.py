@@ -37,16 +37,6 @@ from ..sampling import sample_with_uniform
 from .base import Verdict, VerifyInput
 
 
-def draft_distributions(inp: VerifyInput) -> torch.Tensor:
-    """(L, V) draft distributions: ``draft_probs``, else the softmax of ``draft_logits``, else one-hot."""
-    if inp.draft_probs is not None:
-        return inp.draft_probs.float()
-    if inp.draft_logits is not None:
-        return inp.sampling.probs(inp.draft_logits)
-    one_hot = torch.zeros(inp.n_draft, inp.target_logits.shape[-1], device=inp.target_logits.device)
-    return one_hot.scatter_(1, inp.draft_tokens.view(-1, 1), 1.0)
-
-
 class StaticEnsembleVerification:
     """Verify the draft against ``v = w p + (1 - w) q``.
 
@@ -72,7 +62,7 @@ class StaticEnsembleVerification:
         p = inp.sampling.probs(inp.target_logits[:n])
         target = inp.target_logits.argmax(dim=-1).tolist()
         # w = 1: argmax p from the logits, as standard verification (probabilities tie where logits do not)
-        choice = target[:n] if self.weight == 1 else self.mixture(p, draft_distributions(inp)).argmax(dim=-1).tolist()
+        choice = target[:n] if self.weight == 1 else self.mixture(p, inp.draft_distributions()).argmax(dim=-1).tolist()
         extra = 0
         for j in range(n):
             if draft[j] != choice[j]:
@@ -84,7 +74,7 @@ class StaticEnsembleVerification:
         n = inp.n_draft
         uniforms = torch.rand(n + 1, generator=inp.generator)  # the standard rule's draws, in its order
         p = inp.sampling.probs(inp.target_logits)  # (L + 1, V)
-        q = draft_distributions(inp).to(p.device)
+        q = inp.draft_distributions().to(p.device)
         rows = torch.arange(n, device=p.device)
         p_x, q_x = p[rows, inp.draft_tokens].cpu(), q[rows, inp.draft_tokens].cpu()
         accepts = (uniforms[:n] * q_x < self.mixture(p_x, q_x)).tolist()

@@ -75,9 +75,9 @@ def _validate_params(original):
                 f"temperature={params.temperature}. Send temperature=0, or start the engine without "
                 f"additional_config['dropmatch'].", parameter="temperature", value=params.temperature)
         penalties = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-        for name, neutral in penalties.items():
+        for name, neutral in penalties.items() if isinstance(params, SamplingParams) else ():
             value = getattr(params, name, neutral)
-            if isinstance(params, SamplingParams) and value != neutral:  # the heads see the raw logits
+            if value != neutral:  # the heads see the raw logits
                 raise _greedy_only_error()(
                     f"DropMatch in vLLM does not support {name} (got {value}): vLLM applies it to the verified "
                     f"logits, not to the dropout heads, so even p_drop = 0 would accept what the penalised "

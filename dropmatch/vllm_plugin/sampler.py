@@ -100,13 +100,13 @@ def relax_step(ctx: VerifyContext, output: torch.Tensor, draft_token_ids: torch.
     hidden = ctx.sample_hidden_states[ctx.target_logits_indices]  # (N, d)
 
     def accept(flat: list[int]) -> list[bool]:
-        seeds = [position_seed(config.seed, keys[row_of[f]], ctx.first_positions[row_of[f]] + f - starts[row_of[f]])
-                 for f in flat]
         index = torch.tensor(flat, device=hidden.device)
         processed = target_logits[index].float()
         if config.p_drop == 0:  # every head is the target: its very logits, not a recomputation that a near-tie
             heads = processed.unsqueeze(1).expand(-1, config.k, -1)  # could break otherwise (batch-shape rounding)
         else:
+            seeds = [position_seed(config.seed, keys[row_of[f]], ctx.first_positions[row_of[f]] + f - starts[row_of[f]])
+                     for f in flat]
             masks = draw_masks(seeds, config.k, hidden.shape[-1], config.p_drop, hidden.device)
             heads = dropout_head_logits(ctx.compute_logits, hidden[index], masks, config.p_drop)
         vocab = min(heads.shape[-1], processed.shape[-1])
