@@ -43,7 +43,7 @@ from .provenance import environment_record, note_models
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .tasks import Example, chat_prompt, cut_output, generation_defaults, load_task, score
-from .tasks.llm_judge import JudgeEndpoint, judge_example, load_judge_prompts
+from .tasks.llm_judge import JudgeEndpoint, judge_example, load_judge_prompts, load_reference_answers
 
 
 def read_results(path: Path, repair: bool = True, key: str | None = None) -> list[dict]:
@@ -187,7 +187,8 @@ class GreedyReference:
 class TaskRunner:
     """Decodes the examples of a task with one method; with ``fidelity``, compares every turn with
     the target's greedy output on the same prompt (``reference_cache``: share those across runs);
-    ``llm_judge`` grades with the judge prompts of ``data_dir`` (default: :func:`~dropmatch.paths.data_dir`)."""
+    ``llm_judge`` grades with the judge prompts and GPT-4 reference answers of ``data_dir`` (default:
+    :func:`~dropmatch.paths.data_dir`)."""
 
     def __init__(self, decoder: Decoder, task: str, *, max_new_tokens: int | None = None, seed: int = 0,
                  fidelity: bool = False, chat_template: bool = False, reference_cache: str | Path | None = None,
@@ -197,6 +198,7 @@ class TaskRunner:
         self.example_seed = example_seed
         self.llm_judge = llm_judge
         self.judge_prompts = load_judge_prompts(task, data_dir) if llm_judge is not None else None
+        self.judge_references = load_reference_answers(task, data_dir) if llm_judge is not None else None
         defaults = generation_defaults(task)
         self.stop = defaults.stop
         self.max_new_tokens = new_token_budget(task, max_new_tokens)
@@ -253,7 +255,8 @@ class TaskRunner:
             "llm_judge": self.llm_judge.model if self.llm_judge is not None else None,
         }
         if self.llm_judge is not None and example.turns:
-            record["score"].update(judge_example(self.llm_judge, self.judge_prompts, example, texts))
+            record["score"].update(judge_example(self.llm_judge, self.judge_prompts, example, texts,
+                                                 self.judge_references))
         if self.reference is not None:
             greedy = [self.reference.lookup(p) for p in prompts]
             pair = self.decoder.pair

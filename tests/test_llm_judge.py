@@ -11,7 +11,13 @@ import pytest
 from dropmatch.errors import ConfigError, DataError, JudgeError
 from dropmatch.paths import data_dir
 from dropmatch.tasks import Example
-from dropmatch.tasks.llm_judge import JudgeEndpoint, judge_example, load_judge_prompts, parse_rating
+from dropmatch.tasks.llm_judge import (
+    JudgeEndpoint,
+    judge_example,
+    load_judge_prompts,
+    load_reference_answers,
+    parse_rating,
+)
 
 needs_data = pytest.mark.skipif(not (data_dir() / "mt_bench").is_dir(), reason="benchmark data directory not found")
 
@@ -166,6 +172,46 @@ def test_judge_example_grades_both_turns(fake_judge):
     judge_example(endpoint, prompts, math, ["4", "6"])
     assert "Reference" in seen[-1]["messages"][1]["content"]
     assert set(load_judge_prompts("komt_bench")) >= {"single-v1", "single-math-v1-multi-turn"}
+
+
+@needs_data
+@pytest.mark.parametrize("task", ["mt_bench", "komt_bench"])
+def test_reference_questions_are_judged_against_gpt4_answers(fake_judge, task):
+    """FastChat grades math, reasoning and coding answers against GPT-4's answers to both turns
+    (reference_answer/gpt-4.jsonl), not the questions' short reference field ("5pi")."""
+    from dropmatch.tasks import load_task
+
+    url, seen = fake_judge
+    question = next(e for e in load_task(task) if e.metadata["question_id"] == 111)
+    references = load_reference_answers(task)
+    assert len(references[111]) == 2 and len(references) >= 30
+    judge_example(JudgeEndpoint(url, "judge"), load_judge_prompts(task), question, ["4", "6"], references)
+    turn_1, turn_2 = (body["messages"][1]["content"] for body in seen)
+    assert references[111][0] in turn_1 and references[111][1] in turn_2
+    assert question.reference[1] not in turn_2.replace(references[111][1], "")  # the short "5pi" is not the reference
+
+
+def test_without_reference_answers_the_short_reference_stands_in_with_a_warning(fake_judge, tmp_path):
+    url, seen = fake_judge
+    with pytest.warns(UserWarning, match="not comparable"):
+        assert load_reference_answers("mt_bench", tmp_path) == {}
+    prompts = {name: {"system_prompt": "S", "prompt_template": "{question} [ref: {ref_answer_1}]"}
+               for name in ("single-math-v1", "single-math-v1-multi-turn")}
+    math = Example("mt_bench/111", "mt_bench", None, ["Area?", "Circle?"], ["Area is 3", "5pi"],
+                   {"category": "math", "question_id": 111})
+    judge_example(JudgeEndpoint(url, "judge"), prompts, math, ["3", "5pi"], {})
+    assert "[ref: Area is 3]" in seen[0]["messages"][1]["content"]
+
+
+@pytest.mark.parametrize("content", [b"not json\n", b'{"question_id": 1}\n', b'{"question_id": 1, "choices": []}\n'])
+def test_malformed_reference_answers_are_a_data_error(tmp_path, content):
+    from dropmatch.tasks.llm_judge import REFERENCE_FILES
+
+    path = tmp_path / REFERENCE_FILES["mt_bench"]
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with pytest.raises(DataError, match="reference answers"):
+        load_reference_answers("mt_bench", tmp_path)
 
 
 def test_an_endpoint_that_does_not_speak_http_is_a_clear_error():

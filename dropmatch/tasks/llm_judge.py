@@ -4,8 +4,12 @@ Configuration: ``DROPMATCH_JUDGE_URL`` (e.g. ``https://api.openai.com/v1`` or a 
 ``DROPMATCH_JUDGE_MODEL`` (e.g. ``gpt-4``) and, if needed, ``DROPMATCH_JUDGE_API_KEY``; or the
 ``--judge-url`` / ``--judge-model`` options of ``python -m dropmatch run``. Prompts are FastChat's
 single-answer grading prompts shipped with the benchmark (``judge_prompts*.jsonl``): the reference
-variant for math, reasoning and coding questions, the multi-turn variant for turn 2. Nothing here
-runs unless an endpoint is configured; offline the project reports reference-free measures instead.
+variant for math, reasoning and coding questions, the multi-turn variant for turn 2. As in FastChat's
+``gen_judgment.py``, the references are GPT-4's answers to both turns (``reference_answer*/gpt-4.jsonl``),
+not the questions' short ``reference`` field ("5pi"); only where the data directory has no such file
+(e.g. questions from the hub) does the short field stand in, with a warning, and the scores are then
+not comparable with published ones. Nothing here runs unless an endpoint is configured; offline the
+project reports reference-free measures instead.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +31,8 @@ from .data import Example
 
 NEEDS_REFERENCE = ("math", "reasoning", "coding")
 PROMPT_FILES = {"mt_bench": "mt_bench/judge_prompts.jsonl", "komt_bench": "komt_bench/judge_prompts_ko.jsonl"}
+REFERENCE_FILES = {"mt_bench": "mt_bench/reference_answer/gpt-4.jsonl",
+                   "komt_bench": "komt_bench/reference_answer_ko/gpt-4.jsonl"}
 _RATING = re.compile(r"\[\[(\d+(?:\.\d+)?)\]\]")
 _RATING_LOOSE = re.compile(r"\[(\d+(?:\.\d+)?)\]")
 
@@ -115,10 +122,34 @@ def load_judge_prompts(task: str, root: str | Path | None = None) -> dict[str, d
     return prompts
 
 
-def judge_example(endpoint: JudgeEndpoint, prompts: dict[str, dict], example: Example,
-                  answers: list[str]) -> dict[str, float]:
-    """Ratings (1-10) of both turns and their mean, as score fields."""
-    reference = example.reference if example.metadata.get("category") in NEEDS_REFERENCE else None
+def load_reference_answers(task: str, root: str | Path | None = None) -> dict[int, list[str]]:
+    """GPT-4's answers to both turns by question id, the references FastChat's judge grades math, reasoning
+    and coding answers against; empty, with a warning, where the data directory has no such file."""
+    if task not in REFERENCE_FILES:
+        raise ConfigError(f"no reference answers for task {task!r}; judging is for {', '.join(REFERENCE_FILES)}")
+    path = Path(root or data_dir()) / REFERENCE_FILES[task]
+    if not path.is_file():
+        warnings.warn(f"no reference answers at {path}: math, reasoning and coding answers are judged against the "
+                      "questions' short reference field, so the judge scores are not comparable with published "
+                      "ones", stacklevel=2)
+        return {}
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        answers = {int(r["question_id"]): [str(t) for t in r["choices"][0]["turns"]] for r in rows}
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise DataError(f"{path} does not hold reference answers as FastChat's reference_answer/gpt-4.jsonl "
+                        f"does ({err!r})") from None
+    return answers
+
+
+def judge_example(endpoint: JudgeEndpoint, prompts: dict[str, dict], example: Example, answers: list[str],
+                  reference_answers: dict[int, list[str]] | None = None) -> dict[str, float]:
+    """Ratings (1-10) of both turns and their mean, as score fields. Math, reasoning and coding answers
+    are graded against ``reference_answers`` (:func:`load_reference_answers`) where it holds the question,
+    else against the question's own short ``reference``."""
+    reference = None
+    if example.metadata.get("category") in NEEDS_REFERENCE:
+        reference = (reference_answers or {}).get(example.metadata.get("question_id")) or example.reference
     q1, q2 = example.turns
     fields = {"question": q1, "answer": answers[0], "question_1": q1, "question_2": q2,
               "answer_1": answers[0], "answer_2": answers[1] if len(answers) > 1 else ""}
