@@ -15,7 +15,7 @@ import math
 import os
 import re
 import zlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence, Sized
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +53,19 @@ def example_seed(seed: int, example_id: str, *salt) -> int:
 def token_budget(task: str, max_new_tokens: int | None = None, task_budgets: Mapping[str, int] | None = None) -> int:
     """New tokens per generation (per turn of a chat task) on ``task``: the task's own budget
     (:func:`~dropmatch.tasks.generation_defaults`, which also gives its stop strings), capped by
-    ``task_budgets[task]`` where given and by ``max_new_tokens`` (``None``: no cap)."""
+    ``task_budgets[task]`` where given and by ``max_new_tokens`` (``None``: no cap); ``ConfigError`` for a
+    cap below 1."""
     caps = [generation_defaults(task).max_new_tokens, (task_budgets or {}).get(task), max_new_tokens]
+    for name, cap in (("task_budgets", caps[1]), ("max_new_tokens", caps[2])):
+        if cap is not None and int(cap) < 1:
+            raise ConfigError(f"{name} caps {task} at {cap} new tokens: give at least 1 (None: no cap)")
     return min(int(c) for c in caps if c is not None)
+
+
+def _require(what: str, values: Sized) -> None:
+    """``ConfigError`` naming ``what`` when ``values`` is empty (a table over nothing is no result)."""
+    if not len(values):
+        raise ConfigError(f"no {what} given: the table needs at least one")
 
 
 LOSSLESS_METHODS = ("ar", "sd")  # greedy: the target's own output
@@ -87,8 +97,9 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
       baseline's, minus 1), each with a paired interval (the same prompts resampled for both runs);
     * ``agreement``: share of prompts whose answer is the lossless run's (``lossless``, default the
       baseline if it is SD or AR, else the first such config; nan without one), with its interval;
-    * ``draft_acceptance`` (mean over examples) and ``verify_ms_per_step`` (pooled), with ``_lo`` /
-      ``_hi``; ``extra_accepts_per_step``.
+    * ``draft_acceptance`` (accepted over drafted tokens) and ``verify_ms_per_step``, both pooled over the
+      examples, with ``_lo`` / ``_hi``; ``extra_accepts_per_step``; each nan where nothing was drafted
+      (AR) or no verify step ran.
     """
     for role, name in (("baseline", baseline), ("lossless", lossless)):
         if name is not None and name not in configs:  # before any decoding, not after every config ran
@@ -115,14 +126,20 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
             row.update(compare_runs(rs, records[baseline]))
         row.update(agreement(task, rs, records[reference] if reference else []))
         stats = [r["stats"] for r in rs]
-        acceptance = [s["draft_acceptance_rate"] for s in stats]
+        accepted = [sum(s["accepted_per_step"]) for s in stats]
+        drafted = [sum(s["drafted_per_step"]) for s in stats]
         verify_ms = [1000 * s["verify_s"] for s in stats]
         steps = [len(s["accepted_per_step"]) for s in stats]
-        with_ci(row, "draft_acceptance", float(np.mean(acceptance)), bootstrap_ci(acceptance))
-        with_ci(row, "verify_ms_per_step", sum(verify_ms) / max(sum(steps), 1), pooled_ratio_ci(verify_ms, steps))
-        row["extra_accepts_per_step"] = sum(s["extra_accepts"] for s in stats) / max(sum(steps), 1)
+        with_ci(row, "draft_acceptance", _ratio(sum(accepted), sum(drafted)), pooled_ratio_ci(accepted, drafted))
+        with_ci(row, "verify_ms_per_step", _ratio(sum(verify_ms), sum(steps)), pooled_ratio_ci(verify_ms, steps))
+        row["extra_accepts_per_step"] = _ratio(sum(s["extra_accepts"] for s in stats), sum(steps))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _ratio(num: float, den: float) -> float:
+    """``num / den``, nan where ``den`` is 0 (a share of nothing is undefined, not 0)."""
+    return num / den if den else float("nan")
 
 
 def run_cells(pair: ModelPair, task: str, cells: Mapping[str, tuple[MethodConfig, int | None]],
@@ -183,9 +200,9 @@ def figure_legend(fig, axes, ncols: int = 4):
 
 def figure_title(what: str, pair: ModelPair, task: str, n: int | Collection[int] | None) -> str:
     """``what``, then ``<model>, <task>, n = <prompts> prompts`` on a second line (a range where the
-    rows rest on different counts)."""
+    rows rest on different counts; 0 for no rows)."""
     counts = sorted({int(x) for x in n}) if isinstance(n, Collection) else [n]
-    shown = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    shown = "0" if not counts else str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return f"{what}\n{pair.name}, {task}, n = {shown} prompts"
 
 
@@ -220,7 +237,10 @@ def acceptance_sweep(pair: ModelPair, examples: Sequence[Example], p_values: Seq
                      seed: int = 0) -> pd.DataFrame:
     """Teacher-forced acceptance per (p_drop, criterion), pooled over the examples' greedy answers
     (each example's masks from its :func:`example_seed`); ``exact_match_rate``, ``acceptance_rate`` and
-    ``outside_top5_share`` with their intervals over the examples, and ``n`` (examples)."""
+    ``outside_top5_share`` (nan where no mismatch was accepted) with their intervals over the examples,
+    and ``n`` (examples). ``ConfigError`` when nothing is left to probe."""
+    for what, values in (("examples", examples), ("p_drop values", p_values), ("criteria", criteria)):
+        _require(what, values)
     rows = []
     for ex, answer in zip(examples, greedy_answers(pair, examples, max_new_tokens, results_dir), strict=True):
         if len(answer) < 2:
@@ -228,6 +248,9 @@ def acceptance_sweep(pair: ModelPair, examples: Sequence[Example], p_values: Seq
         for row in analysis.acceptance_probe(pair, pair.encode(ex.prompt), answer, p_values, criteria, k,
                                              example_seed(seed, ex.id)):
             rows.append({"id": ex.id, **row})
+    if not rows:
+        raise ConfigError(f"no example has a greedy answer of >= 2 tokens to probe ({len(examples)} examples, "
+                          f"at most {max_new_tokens} new tokens): take more prompts or a larger budget")
     table = pd.DataFrame(rows)
     table = table.assign(accepted=table.acceptance_rate * table.positions,
                          exact=table.exact_match_rate * table.positions,
@@ -237,7 +260,7 @@ def acceptance_sweep(pair: ModelPair, examples: Sequence[Example], p_values: Seq
         row = {"p_drop": p, "criterion": criterion, "n": len(g), "positions": int(g.positions.sum())}
         with_ci(row, "exact_match_rate", g.exact.sum() / g.positions.sum(), pooled_ratio_ci(g.exact, g.positions))
         with_ci(row, "acceptance_rate", g.accepted.sum() / g.positions.sum(), pooled_ratio_ci(g.accepted, g.positions))
-        with_ci(row, "outside_top5_share", g.outside.sum() / max(g.accepted_mismatches.sum(), 1),
+        with_ci(row, "outside_top5_share", _ratio(g.outside.sum(), g.accepted_mismatches.sum()),
                 pooled_ratio_ci(g.outside, g.accepted_mismatches))
         out.append(row)
     return pd.DataFrame(out)
@@ -249,7 +272,10 @@ def agreement_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Seque
     teacher-forced on the target's greedy answers (one forward pass per example serves every p_drop;
     each example's masks from its :func:`example_seed`). Columns: p_drop, agreeing_heads, share with
     ``share_lo`` / ``share_hi`` (bootstrap over the examples, positions pooled), mean_prob (the heads'
-    mean probability of the majority token), n (examples), positions."""
+    mean probability of the majority token), n (examples), positions. ``ConfigError`` when no example has
+    an answer."""
+    _require("examples", examples)
+    _require("p_drop values", p_values)
     per_example = []  # (p, example) -> counts
     for ex, answer in zip(examples, greedy_answers(pair, examples, max_new_tokens, results_dir), strict=True):
         if not answer:
@@ -259,6 +285,8 @@ def agreement_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Seque
             result = analysis.head_agreement_at(pair.target, hidden, logits, k=k, p_drop=p,
                                                 seed=example_seed(seed, ex.id))
             per_example.append((p, result["majority_count"], result["majority_prob"]))
+    if not per_example:
+        raise _no_answer(examples, max_new_tokens)
     rows = []
     for p in p_values:
         counts = [c for q, c, _ in per_example if q == p]
@@ -276,6 +304,11 @@ def agreement_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Seque
     return pd.DataFrame(rows)
 
 
+def _no_answer(examples: Sequence[Example], max_new_tokens: int) -> ConfigError:
+    return ConfigError(f"no example has a non-empty greedy answer to teacher-force ({len(examples)} examples, at "
+                       f"most {max_new_tokens} new tokens): take more prompts or a larger budget")
+
+
 TABLE3_CASES = {"dispersed": False, "concentrated": True}  # case -> whether all K heads agree
 
 
@@ -287,7 +320,9 @@ def js_radii_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Sequen
     same token) and ``concentrated`` (they do) positions, with the masks of :func:`agreement_by_p` (same
     seed, same split). ``inside_share``: the share of the case's positions where js_draft <= js_heads (the
     JS criterion alone accepts the draft distribution there). Intervals: bootstrap over the ``n`` examples
-    with positions of the case, positions pooled."""
+    with positions of the case, positions pooled. ``ConfigError`` when no example has an answer."""
+    _require("examples", examples)
+    _require("p_drop values", p_values)
     per_example = []  # (p, js_radii_at's arrays) per example
     for ex, answer in zip(examples, greedy_answers(pair, examples, max_new_tokens, results_dir), strict=True):
         if not answer:
@@ -298,6 +333,8 @@ def js_radii_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Sequen
         for p in p_values:
             per_example.append((p, analysis.js_radii_at(pair.target, hidden, logits, draft_logits, k=k, p_drop=p,
                                                         seed=example_seed(seed, ex.id))))
+    if not per_example:
+        raise _no_answer(examples, max_new_tokens)
     rows = []
     for p in p_values:
         for case, agree in TABLE3_CASES.items():
@@ -319,11 +356,14 @@ def dropout_paths(pair: ModelPair, examples: Sequence[Example], p_values: Sequen
     """K free-running dropout paths per example and p_drop (resumable, one file per seed and budget).
     Head i of an example draws its masks from ``example_seed(seed, id, i)``: other seeds, examples and
     heads draw other masks, and every p_drop thresholds the same draws. At p_drop = 0 all heads are
-    the greedy path, decoded once. Each record carries the path's seed, text, task score and target NLL."""
+    the greedy path, decoded once. Each record carries the path's seed, text, task score and target NLL
+    (nan for an empty path)."""
     from tqdm.auto import tqdm
 
+    _require("examples", examples)
     name = f"dropout_paths__{examples[0].task}__{slug(pair.name)}__{max_new_tokens}__seed{seed}.jsonl"
     path = Path(results_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)  # before the first path is decoded, not after
     done = {(r["id"], r["p_drop"], r["head"]): r for r in read_results(path, key="id")}
     jobs = [(ex, p, i) for ex in examples for p in p_values for i in range(k) if (ex.id, p, i) not in done]
     for ex, p, i in tqdm(jobs, desc="dropout paths", disable=not progress):
@@ -379,13 +419,15 @@ def path_similarity(records: Sequence[dict], p_values: Sequence[float], k: int) 
 
 def head_scores(records: Sequence[dict], greedy: Mapping[str, list[int]], metric: str) -> pd.DataFrame:
     """Per p_drop and head: mean task score, exact match with the greedy output and mean target NLL
-    (Table 1), each with ``_lo`` / ``_hi`` (bootstrap over the prompts), and n (prompts)."""
+    (Table 1), each with ``_lo`` / ``_hi`` (bootstrap over the prompts); ``n`` (prompts) and ``n_nll``
+    (those whose path has an NLL: an empty path has none), the counts the estimates rest on."""
+    _require("path records", records)
     frame = pd.DataFrame([{"p_drop": r["p_drop"], "head": r["head"] + 1, "score": r["score"].get(metric, float("nan")),
                            "exact_match": float(r["token_ids"] == greedy.get(r["id"])), "nll": r["nll"]}
                           for r in records])
     rows = []
     for (p, head), g in frame.groupby(["p_drop", "head"]):
-        row = {"p_drop": p, "head": head, "n": len(g)}
+        row = {"p_drop": p, "head": head, "n": len(g), "n_nll": int(g["nll"].notna().sum())}
         for column in ("score", "exact_match", "nll"):
             values = g[column].dropna().to_numpy()
             with_ci(row, column, float(values.mean()) if len(values) else float("nan"), bootstrap_ci(values))

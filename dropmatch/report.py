@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from .benchmarks.common import describe_model, machine_line
+from .errors import ConfigError
 from .paper import PAPER_SETUPS, TABLE2_AGREEMENT, TABLE4_OVERHEAD_PERCENT, TABLE10_KOMT, table6_for
 from .runner import read_results
 from .summarize import PRIMARY_SCORE, bootstrap_ci, paired_ratio_ci
@@ -40,6 +41,10 @@ def read_table(results_dir: str | Path, name: str) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.exists() else None
 
 
+PAIRED_COLUMNS = {"our tau gain": "tau_gain", "our speedup DM/SD": "speedup", "our e2e speedup DM/SD": "speedup e2e"}
+"""Table 6's comparisons of ours and the run-table columns (paired over prompts) they are read from."""
+
+
 def table6_side_by_side(main: pd.DataFrame) -> pd.DataFrame:
     """Per task and draft length: the paper's tau and speedup of SD + DropMatch over SD beside ours.
 
@@ -47,6 +52,11 @@ def table6_side_by_side(main: pd.DataFrame) -> pd.DataFrame:
     and, from newer runs, paper_tau, decode tokens/s, tokens/s pooled and model. Our tau is taken in the
     paper's definition (tokens per verify step) and our speedup after the prefill (decode tokens/s) where
     the table has them; the paper's rows are those of the pair's family (Qwen3 or Llama-3.1).
+
+    Our tau gain and speedups are the SD+DM row's paired columns (``tau_gain``, ``speedup``, ``speedup
+    e2e`` of :func:`~dropmatch.experiments.run_cells`: the same prompts for both runs), with their
+    intervals in ``<column> lo`` / ``<column> hi``; tables without them (older runs) give the unpaired
+    ratio of the two rows, without an interval, and ``paired`` False.
     """
     ours = []
     main = main.assign(L=main["name"].str.extract(r"L=(\d+)")[0].astype(int))
@@ -57,10 +67,15 @@ def table6_side_by_side(main: pd.DataFrame) -> pd.DataFrame:
     for (task, L), rows in main.groupby(["task", "L"]):
         sd = rows[rows["name"].str.startswith("SD L")].iloc[0]
         dm = rows[rows["name"].str.startswith("SD+DM")].iloc[0]
-        ours.append({"task": task, "L": L, "our tau SD": sd[tau], "our tau SD+DM": dm[tau],
-                     "our tau gain": dm[tau] / sd[tau] - 1, "our speedup DM/SD": dm[speed] / sd[speed],
-                     "our e2e speedup DM/SD": dm[e2e] / sd[e2e],
-                     "our delta NLL": dm.get("delta_nll", float("nan"))})
+        row = {"task": task, "L": L, "our tau SD": sd[tau], "our tau SD+DM": dm[tau],
+               "paired": all(pd.notna(dm.get(c)) for c in PAIRED_COLUMNS.values())}
+        unpaired = {"our tau gain": dm[tau] / sd[tau] - 1, "our speedup DM/SD": dm[speed] / sd[speed],
+                    "our e2e speedup DM/SD": dm[e2e] / sd[e2e]}
+        for ours_column, paired_column in PAIRED_COLUMNS.items():
+            value, lo, hi = ((dm[paired_column], dm[f"{paired_column}_lo"], dm[f"{paired_column}_hi"]) if row["paired"]
+                             else (unpaired[ours_column], float("nan"), float("nan")))
+            row.update({ours_column: value, f"{ours_column} lo": lo, f"{ours_column} hi": hi})
+        ours.append({**row, "our delta NLL": dm.get("delta_nll", float("nan"))})
     paper = pd.DataFrame([{"task": t, "L": L, "paper tau SD": v[0], "paper tau SD+DM": v[1],
                            "paper tau gain": v[1] / v[0] - 1, "paper speedup DM/SD": v[4],
                            "paper accuracy change": v[3] - v[2]} for (t, L), v in numbers.items()])
@@ -169,12 +184,21 @@ def label_value(label: str, key: str) -> float:
 
 def records_path(results_dir: str | Path, row: pd.Series) -> Path:
     """The JSON-lines file :func:`~dropmatch.experiments.run_methods` wrote for a summary row: its
-    ``records`` column, else the name built from ``task``, ``model`` and ``method``."""
+    ``records`` column, else the one file named from ``task``, ``model`` and ``method`` with the run's
+    ``__seed<seed>-new<budget>`` (``ConfigError`` if several are, e.g. two seeds), else the name older
+    runs wrote, without them."""
     from .experiments import slug
 
+    results_dir = Path(results_dir)
     if isinstance(row.get("records"), str) and row["records"]:
-        return Path(results_dir) / Path(row["records"]).name
-    return Path(results_dir) / f"{row['task']}__{slug(str(row['model']))}__{slug(str(row['method']))}.jsonl"
+        return results_dir / Path(row["records"]).name
+    stem = f"{row['task']}__{slug(str(row['model']))}__{slug(str(row['method']))}"
+    found = sorted(p for p in results_dir.glob(f"{stem}__seed*-new*.jsonl")
+                   if re.fullmatch(rf"{re.escape(stem)}__seed\d+-new\d+\.jsonl", p.name))
+    if len(found) > 1:
+        raise ConfigError(f"several record files match {row['method']} on {row['task']} in {results_dir}: "
+                          f"{', '.join(p.name for p in found)}; give the table a records column naming one")
+    return found[0] if found else results_dir / f"{stem}.jsonl"
 
 
 def records_for(results_dir: str | Path, row: pd.Series) -> list[dict] | None:

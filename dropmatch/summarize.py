@@ -53,8 +53,10 @@ def _interval(statistics: np.ndarray) -> tuple[float, float]:
 
 
 def bootstrap_ci(values: Sequence[float], n_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile bootstrap interval of the mean."""
+    """95 % percentile bootstrap interval of the mean of the finite ``values`` (nan items, e.g. the NLL of
+    an empty output, are left out before resampling: take the estimate over the same items)."""
     values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
     if len(values) == 0:
         return float("nan"), float("nan")
     return _interval(values[resamples(len(values), n_resamples, seed)].mean(axis=1))
@@ -171,7 +173,11 @@ def summarize_records(records: Sequence[dict], baseline: str = "sd") -> list[dic
 
 
 def summarize_run(task: str, method: str, rs: Sequence[dict]) -> dict:
-    """One run's row: counts, speeds and scores, each estimate with its interval over the prompts."""
+    """One run's row: counts, speeds and scores, each estimate with its interval over the prompts.
+
+    ``n`` counts the prompts; ``nll``, ``greedy_nll`` and ``delta_nll`` (estimate and interval alike)
+    rest on the ``n_nll`` of them where both NLLs are defined (an output empty after its stop string
+    has none), as the score rests on the records that hold it."""
     x = per_example(rs)
     key = PRIMARY_SCORE.get(task)
     if any("judge_score" in r["score"] for r in rs):  # an LLM judge graded this run
@@ -195,11 +201,12 @@ def summarize_run(task: str, method: str, rs: Sequence[dict]) -> dict:
     fids = [r["fidelity"] for r in rs if r.get("fidelity")]
     if fids:
         exact = [float(f["exact_match"]) for f in fids]
-        delta = [f["nll"] - f["greedy_nll"] for f in fids]
         with_ci(row, "exact_match_rate", float(np.mean(exact)), bootstrap_ci(exact))
-        row["nll"] = float(np.mean([f["nll"] for f in fids]))
-        row["greedy_nll"] = float(np.mean([f["greedy_nll"] for f in fids]))
-        with_ci(row, "delta_nll", float(np.mean(delta)), bootstrap_ci(delta))
+        nll = np.array([(f["nll"], f["greedy_nll"]) for f in fids], dtype=float)
+        nll = nll[np.isfinite(nll).all(axis=1)]
+        delta = nll[:, 0] - nll[:, 1]
+        row.update(n_nll=len(nll), nll=_mean(nll[:, 0]), greedy_nll=_mean(nll[:, 1]))
+        with_ci(row, "delta_nll", _mean(delta), bootstrap_ci(delta))
     return row
 
 
@@ -252,6 +259,10 @@ def _paired(records: Sequence[dict], base_records: Sequence[dict]) -> tuple[list
     return [r for r, _ in shared], [b for _, b in shared]
 
 
+def _mean(values: np.ndarray) -> float:
+    return float(values.mean()) if len(values) else float("nan")
+
+
 def _pooled_ratio(num: np.ndarray, den: np.ndarray) -> float:
     return _ratio(float(np.sum(num)), float(np.sum(den)))
 
@@ -270,7 +281,7 @@ def _draft_length(method: str) -> str | None:
 
 COLUMNS = ["task", "method", "n", "tau", "paper_tau", "tokens/s", "tokens/s pooled", "decode tokens/s", "speedup",
            "speedup e2e", "tau_gain", "score", "mean", "ci95", "agreement", "exact_match_rate", "nll", "greedy_nll",
-           "delta_nll"]
+           "delta_nll", "n_nll"]
 
 
 def summarize_files(paths: Sequence[str | Path], baseline: str = "sd") -> list[dict]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 import papermill
 import pytest
 
@@ -176,3 +178,104 @@ def test_unknown_baseline_or_lossless_names_are_refused_before_any_decoding(tiny
         with pytest.raises(ConfigError, match=f"{role} 'AR' is not one of the configs"):
             experiments.run_methods(tiny, "klue_nli", configs, tmp_path, n_prompts=1, progress=False, **{role: "AR"})
     assert not list(tmp_path.iterdir())  # refused before anything was decoded
+
+
+def test_tables_over_nothing_are_refused_with_what_is_missing(monkeypatch, tmp_path):
+    for call in (lambda: experiments.acceptance_sweep(None, [], [0.3], ["js"], 16, tmp_path),
+                 lambda: experiments.agreement_by_p(None, [], [0.3], 16, tmp_path),
+                 lambda: experiments.js_radii_by_p(None, [], [0.3], 16, tmp_path),
+                 lambda: experiments.dropout_paths(None, [], [0.3], 5, 16, tmp_path, progress=False)):
+        with pytest.raises(ConfigError, match="no examples given"):
+            call()
+    with pytest.raises(ConfigError, match="no path records given"):
+        experiments.head_scores([], {}, "pass@1")
+    examples = [SimpleNamespace(id=f"e{i}", prompt="p", task="gsm8k") for i in range(3)]
+    pair = SimpleNamespace(encode=lambda text: [1, 2])
+    with pytest.raises(ConfigError, match="no p_drop values given"):
+        experiments.agreement_by_p(pair, examples, [], 16, tmp_path)
+    monkeypatch.setattr(experiments, "greedy_answers", lambda pair, examples, budget, results: [[7] for _ in examples])
+    with pytest.raises(ConfigError, match="no example has a greedy answer of >= 2 tokens to probe"):
+        experiments.acceptance_sweep(pair, examples, [0.3], ["js"], 16, tmp_path)
+    monkeypatch.setattr(experiments, "greedy_answers", lambda pair, examples, budget, results: [[] for _ in examples])
+    for table in (experiments.agreement_by_p, experiments.js_radii_by_p):
+        with pytest.raises(ConfigError, match="no example has a non-empty greedy answer"):
+            table(pair, examples, [0.3], 16, tmp_path)
+
+
+def test_outside_top5_share_is_undefined_without_accepted_mismatches(monkeypatch, tmp_path):
+    def probe(pair, prompt, answer, p_values, criteria, k, seed):  # naive at p_drop 0: no mismatch accepted
+        return [{"p_drop": p, "criterion": c, "positions": 4, "exact_match_rate": 0.5, "acceptance_rate": 0.5,
+                 "accepted_mismatches": 0, "outside_top5_share": 0.0} for p in p_values for c in criteria]
+
+    monkeypatch.setattr(experiments.analysis, "acceptance_probe", probe)
+    monkeypatch.setattr(experiments, "greedy_answers", lambda pair, examples, budget, results: [[5, 6, 7, 8]] * 3)
+    examples = [SimpleNamespace(id=f"e{i}", prompt="p", task="gsm8k") for i in range(3)]
+    row = experiments.acceptance_sweep(SimpleNamespace(encode=lambda text: [1]), examples, [0.0], ["naive"], 16,
+                                       tmp_path).iloc[0]
+    assert row.n == 3 and row.acceptance_rate == 0.5
+    assert np.isnan([row.outside_top5_share, row.outside_top5_share_lo, row.outside_top5_share_hi]).all()
+
+
+def test_token_budget_refuses_caps_below_one():
+    with pytest.raises(ConfigError, match="max_new_tokens caps gsm8k at 0 new tokens"):
+        experiments.token_budget("gsm8k", 0)
+    with pytest.raises(ConfigError, match="task_budgets caps gsm8k at -5"):
+        experiments.token_budget("gsm8k", None, {"gsm8k": -5})
+    assert experiments.token_budget("gsm8k", 1) == 1
+
+
+def test_draft_acceptance_pools_the_drafted_tokens(monkeypatch, tmp_path):
+    def record(i, accepted, drafted, verify_s, new):
+        stats = GenerationStats(new_tokens=new, target_calls=1 + len(accepted), accepted_per_step=accepted,
+                                drafted_per_step=drafted, verify_s=verify_s, wall_s=1.0, prefill_s=0.1)
+        return {"id": f"p{i}", "output": "x", "score": {"exact_match": 0.0}, "stats": stats.to_dict()}
+
+    def run_task(decoder, task, out, **kwargs):
+        if decoder.config.method == "ar":  # no verify step, nothing drafted
+            return [record(i, [], [], 0.0, 20) for i in range(4)]
+        # SD: prompt p0 stops at its first token, before any draft; the others accept 8 of 10
+        return [record(0, [], [], 0.0, 1)] + [record(i, [4, 4], [5, 5], 0.02, 11) for i in range(1, 4)]
+
+    monkeypatch.setattr(experiments, "run_task", run_task)
+    monkeypatch.setattr(experiments, "Decoder", lambda pair, config: SimpleNamespace(config=config))
+    table = experiments.run_methods(SimpleNamespace(name="fake"), "gsm8k",
+                                    {"AR": MethodConfig("ar"), "SD": MethodConfig("sd", draft_len=5)}, tmp_path,
+                                    n_prompts=4, fidelity=False, baseline="AR", progress=False).set_index("name")
+    assert table.loc["SD", "draft_acceptance"] == pytest.approx(24 / 30)  # not (0 + 3 * 0.8) / 4
+    assert table.loc["SD", "verify_ms_per_step"] == pytest.approx(10.0)
+    ar = table.loc["AR", ["draft_acceptance", "draft_acceptance_lo", "draft_acceptance_hi", "verify_ms_per_step",
+                          "verify_ms_per_step_lo", "extra_accepts_per_step"]]
+    assert ar.isna().all()
+
+
+@needs_data
+def test_dropout_paths_create_their_results_dir(tiny, tmp_path, one_thread):
+    results = tmp_path / "not" / "yet"
+    records = experiments.dropout_paths(tiny, load_task("gsm8k", limit=1), [0.3], k=2, max_new_tokens=3,
+                                        results_dir=results, progress=False)
+    assert len(records) == 2 and len(list(results.glob("dropout_paths__gsm8k__*.jsonl"))) == 1
+
+
+def test_head_scores_count_the_prompts_each_estimate_rests_on():
+    paths = [{"id": f"p{i}", "p_drop": 0.3, "head": 0, "score": {"pass@1": 1.0}, "token_ids": [1],
+              "nll": float("nan") if i < 2 else 1.0 + i} for i in range(5)]  # two empty paths: no NLL
+    row = experiments.head_scores(paths, {f"p{i}": [1] for i in range(5)}, "pass@1").iloc[0]
+    assert (row.n, row.n_nll) == (5, 3) and row.nll == pytest.approx(4.0) and row.nll_lo < row.nll < row.nll_hi
+
+
+def test_figure_title_of_no_rows():
+    pair = SimpleNamespace(name="m")
+    assert experiments.figure_title("x", pair, "gsm8k", pd.Series([], dtype=int)) == "x\nm, gsm8k, n = 0 prompts"
+    assert experiments.figure_title("x", pair, "gsm8k", [3, 5, 3]).endswith("n = 3-5 prompts")
+
+
+def test_nll_estimates_and_intervals_leave_out_the_same_undefined_prompts():
+    records = _records("sd@L5", 1.0, 0, n=30)
+    records[7]["fidelity"]["nll"] = float("nan")  # empty after its stop string: no NLL
+    row = summarize_records(records)[0]
+    kept = [r["fidelity"] for i, r in enumerate(records) if i != 7]
+    delta = [f["nll"] - f["greedy_nll"] for f in kept]
+    assert row["n"] == 30 and row["n_nll"] == 29
+    assert row["delta_nll"] == pytest.approx(np.mean(delta)) and row["nll"] == pytest.approx(np.mean([f["nll"] for f in kept]))
+    assert (row["delta_nll_lo"], row["delta_nll_hi"]) == pytest.approx(bootstrap_ci(delta))
+    assert row["delta_nll_lo"] < row["delta_nll"] < row["delta_nll_hi"]

@@ -70,7 +70,7 @@ def test_run_methods_passes_the_judge_to_judged_tasks_only(tiny, tmp_path, monke
         seen.append((task, kw["llm_judge"]))
         return [{"task": task, "method": decoder.config.label, "score": {},
                  "stats": {"new_tokens": 3, "target_calls": 2, "tokens_per_s": 1.0, "wall_s": 1.0,
-                           "prefill_s": 0.5, "accepted_per_step": [1], "draft_acceptance_rate": 1.0,
+                           "prefill_s": 0.5, "accepted_per_step": [1], "drafted_per_step": [1],
                            "verify_s": 0.1, "extra_accepts": 0}}]
 
     monkeypatch.setattr(experiments, "run_task", fake_run_task)

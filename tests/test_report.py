@@ -97,3 +97,36 @@ def test_label_values_and_the_records_behind_a_row(tmp_path):
     assert report.records_for(tmp_path, row) is None  # no file
     (tmp_path / "gsm8k__tiny_llama__sd_L5.jsonl").write_text('{"id": "a", "stats": {}}\n')
     assert report.records_for(tmp_path, row) == [{"id": "a", "stats": {}}]
+
+
+def test_table6_reads_the_paired_columns_of_the_dm_row():
+    """SD on 30 prompts, SD+DM on the 10 easiest: the rows' unpaired ratio says +120 %, the paired gain +10 %."""
+    main = pd.DataFrame([
+        {"task": "gsm8k", "name": "SD L=10", "n": 30, "paper_tau": 2.5, "decode tokens/s": 20.0, "tokens/s pooled": 18.0,
+         "tau_gain": 0.0, "tau_gain_lo": 0.0, "tau_gain_hi": 0.0, "speedup": 1.0, "speedup_lo": 1.0, "speedup_hi": 1.0,
+         "speedup e2e": 1.0, "speedup e2e_lo": 1.0, "speedup e2e_hi": 1.0},
+        {"task": "gsm8k", "name": "SD+DM L=10", "n": 10, "paper_tau": 5.5, "decode tokens/s": 50.0,
+         "tokens/s pooled": 45.0, "tau_gain": 0.1, "tau_gain_lo": 0.05, "tau_gain_hi": 0.15, "speedup": 1.1,
+         "speedup_lo": 1.0, "speedup_hi": 1.2, "speedup e2e": 1.08, "speedup e2e_lo": 0.99, "speedup e2e_hi": 1.17}])
+    row = report.table6_side_by_side(main).iloc[0]
+    assert row["paired"] and row["our tau gain"] == pytest.approx(0.1)
+    assert (row["our tau gain lo"], row["our tau gain hi"]) == pytest.approx((0.05, 0.15))
+    assert (row["our speedup DM/SD"], row["our speedup DM/SD lo"], row["our speedup DM/SD hi"]) == (1.1, 1.0, 1.2)
+    assert row["our e2e speedup DM/SD"] == 1.08 and row["our e2e speedup DM/SD hi"] == 1.17
+    assert row["our tau SD"] == 2.5 and row["our tau SD+DM"] == 5.5  # each row's own tau stays as it is
+    old = report.table6_side_by_side(_main()).iloc[0]  # no paired columns: the unpaired ratio, said so
+    assert not old["paired"] and math.isnan(old["our tau gain lo"])
+
+
+def test_records_path_finds_the_file_the_runner_names(tmp_path):
+    from dropmatch.errors import ConfigError
+
+    row = pd.Series({"task": "gsm8k", "model": "gemma-3-270m", "method": "sd@L5"})  # no records column
+    written = tmp_path / "gsm8k__gemma-3-270m__sd_L5__seed0-new128.jsonl"  # run_methods' name
+    written.write_text('{"id": "a", "stats": {}}\n')
+    (tmp_path / "gsm8k__gemma-3-270m__sd_L5__seed0-new128-0123456789.jsonl").write_text("")  # another naming
+    assert report.records_path(tmp_path, row) == written
+    assert report.records_for(tmp_path, row) == [{"id": "a", "stats": {}}]
+    (tmp_path / "gsm8k__gemma-3-270m__sd_L5__seed1-new128.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="several record files match sd@L5 on gsm8k.*seed0-new128.*seed1-new128"):
+        report.records_path(tmp_path, row)

@@ -9,6 +9,7 @@ DropMatch rewrites the sampler's output buffer, these count its acceptances too.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -58,6 +59,8 @@ def dropmatch_stats(llm: Any, reset: bool = False) -> dict[str, Any] | None:
 
 
 def extra_accepted_for(stats: dict[str, Any], request_id: str) -> int:
-    """A request's extra acceptances; vLLM appends a suffix to the request ids it is given."""
-    per_request = stats.get("per_request", {})
-    return sum(v for k, v in per_request.items() if k == request_id or k.startswith(f"{request_id}-"))
+    """A request's extra acceptances. vLLM makes the id it is given unique with ``-`` and 8 hex digits
+    (``InputProcessor.assign_request_id``; none with ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``), so only
+    those ids match: not another request's whose id merely starts with this one (``q-2`` for ``q``)."""
+    engine_id = re.compile(rf"{re.escape(request_id)}(-[0-9a-f]{{8}})?")
+    return sum(v for k, v in stats.get("per_request", {}).items() if engine_id.fullmatch(k))

@@ -8,7 +8,7 @@ import torch
 from dropmatch.errors import ConfigError
 from dropmatch.vllm_plugin.config import DropMatchVllmConfig, from_additional_config
 from dropmatch.vllm_plugin.heads import draw_masks, dropout_head_logits, position_seed, request_key
-from dropmatch.vllm_plugin.metrics import aggregate, per_position_acceptance
+from dropmatch.vllm_plugin.metrics import aggregate, extra_accepted_for, per_position_acceptance
 from dropmatch.vllm_plugin.relax import PLACEHOLDER_TOKEN_ID, relax_greedy
 
 P = PLACEHOLDER_TOKEN_ID
@@ -165,3 +165,13 @@ def test_relax_step_accepts_through_the_criterion_and_counts():
     ctx = _context(3, DropMatchVllmConfig(k=3, p_drop=0.3, criterion="naive"))
     new = relax_step(ctx, out, drafts, [2], None, target_logits, torch.tensor([[7]]), greedy)
     assert new.tolist() == [[3, 5, P]]
+
+
+def test_extra_accepted_for_matches_vllms_request_ids_only():
+    # vLLM 0.32 makes "q" unique as "q-<8 hex digits>"; "q-2" is another request, as is "dropmatch-js-0"
+    stats = {"per_request": {"q-1a2b3c4d": 3, "q-2-5e6f7a8b": 7, "dropmatch-0a1b2c3d": 2, "dropmatch-js-0-9f8e7d6c": 5,
+                             "plain": 4}}
+    assert extra_accepted_for(stats, "q") == 3 and extra_accepted_for(stats, "q-2") == 7
+    assert extra_accepted_for(stats, "dropmatch") == 2 and extra_accepted_for(stats, "dropmatch-js-0") == 5
+    assert extra_accepted_for(stats, "plain") == 4  # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION: the id itself
+    assert extra_accepted_for(stats, "r") == 0 and extra_accepted_for({}, "q") == 0
