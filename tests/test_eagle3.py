@@ -119,8 +119,17 @@ def test_training_steps_reduce_the_loss(pair):
     assert losses[-1] < 0.8 * losses[0]
 
 
-def _public_checkpoint(path, head: Eagle3Head, prefix: str = "", layer: str = "midlayer.") -> None:
-    """A checkpoint written as the public heads are (no dropmatch code): config.json + safetensors."""
+LAYER_IDS = {  # how each producer's config.json names the target layers of feature_layers
+    "eagle": lambda layers: {},  # SafeAILab/EAGLE: none written, the default (2, L // 2, L - 3) hard-coded
+    "specforge": lambda layers: {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]}},
+    "speculators": lambda layers: {"eagle_aux_hidden_state_layer_ids": list(layers)},  # as vLLM reads them
+}
+
+
+def _public_checkpoint(path, head: Eagle3Head, prefix: str = "", layer: str = "midlayer.", producer: str = "specforge",
+                       embed: torch.Tensor | None = None) -> None:
+    """A checkpoint written as the public heads are (no dropmatch code): config.json + safetensors, the
+    layer ids in ``producer``'s convention, and ``embed`` (if any) as embed_tokens.weight."""
     from safetensors.torch import save_file
 
     c = head.config
@@ -131,26 +140,198 @@ def _public_checkpoint(path, head: Eagle3Head, prefix: str = "", layer: str = "m
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
         "max_position_embeddings": 2048, "hidden_act": "silu", "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers)}}))
+        "target_hidden_size": c.target_hidden_size, **LAYER_IDS[producer](c.feature_layers)}))
     state = {}
     for name, value in head.state_dict().items():
         if name.startswith("rotary"):
             continue
         name = name.replace("midlayer.", layer)
         state[prefix + name if name not in ("d2t", "t2d") else name] = value.contiguous()
-    state[prefix + "embed_tokens.weight"] = torch.zeros(c.vocab_size, c.hidden_size)  # ignored: the target's
+    if embed is not None:
+        state[prefix + "embed_tokens.weight"] = embed.contiguous()
     save_file(state, path / "model.safetensors")
 
 
-@pytest.mark.parametrize("prefix,layer", [("", "midlayer."), ("model.", "layers.0.")])
-def test_public_layout_checkpoint_loads(pair, tmp_path, prefix, layer):
+@pytest.mark.parametrize("producer,prefix,layer", [("specforge", "", "midlayer."), ("speculators", "", "layers.0."),
+                                                   ("speculators", "model.", "layers.0."), ("eagle", "", "midlayer.")])
+def test_public_layout_checkpoint_loads(pair, tmp_path, producer, prefix, layer):
+    """Each producer's layout loads with the target layers it was trained on (EAGLE's: the default)."""
     head = random_head(pair.target, 48, seed=2)
-    _public_checkpoint(tmp_path, head, prefix, layer)
+    # speculators and SpecForge save the target's own embedding: shared, not duplicated
+    _public_checkpoint(tmp_path, head, prefix, layer, producer, embed=pair.target.model.get_input_embeddings().weight)
     loaded = load_head(tmp_path, pair.target)
-    assert loaded.config.draft_vocab_size == 48 and loaded.config.feature_layers == (1, 1, 2)
+    assert loaded.config.draft_vocab_size == 48 and loaded.embed_tokens is None
+    assert loaded.config.feature_layers == (() if producer == "eagle" else (1, 1, 2))
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
     for name, value in head.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value)
+
+
+def test_specforge_layer_ids_name_layer_outputs(pair, tmp_path):
+    """SpecForge's eagle_config ids name decoder-layer outputs: the drafter's features are those outputs
+    (forward hooks on the trunk's layers), where a loader without the shift feeds each one layer early."""
+    target = pair.target
+    head = random_head(target, 48, seed=2)
+    _public_checkpoint(tmp_path, head, producer="specforge")
+    assert json.loads((tmp_path / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]
+    drafter = Eagle3Drafter(load_head(tmp_path, target), target)
+    outputs = {}
+    hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+             for i, layer in enumerate(target.trunk.layers)]
+    try:
+        _, _, features = target.new_cache_with_features(torch.arange(3, 9), drafter.feature_layers)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    expected = torch.cat([outputs[i].reshape(6, -1) for i in (0, 0, 1)], dim=-1)
+    torch.testing.assert_close(features, expected)
+
+
+def test_top_level_layer_ids_win_over_eagle_config_as_in_vllm(pair, tmp_path):
+    head = random_head(pair.target, 48, seed=2)
+    _public_checkpoint(tmp_path, head, producer="speculators")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]}}))
+    assert load_head(tmp_path, pair.target).config.feature_layers == (1, 1, 2)
+
+
+def test_saved_heads_name_their_layers_in_every_readers_convention(pair, tmp_path):
+    head = random_head(pair.target, 48, seed=2)
+    save_head(head, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["feature_layers"] == config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]  # SGLang adds one
+    keys = {"feature_layers", "eagle_aux_hidden_state_layer_ids", "eagle_config"}
+    for key in keys:  # each reader's key alone gives the same layers
+        alone = {k: v for k, v in config.items() if k not in keys - {key}}
+        (tmp_path / "config.json").write_text(json.dumps(alone))
+        assert load_head(tmp_path, pair.target).config.feature_layers == (1, 1, 2)
+    committed = json.loads((committed_head("gemma-3-270m") / "config.json").read_text())
+    layers = committed["feature_layers"]
+    assert committed["eagle_aux_hidden_state_layer_ids"] == layers
+    assert committed["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in layers]
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 4], [-1, 1, 2], [1, 1, 2.0], "1,1,2"])
+def test_layer_ids_outside_the_target_are_refused(pair, tmp_path, ids):
+    """The 3-layer target has hidden states 0..3; ids must be integers among them."""
+    head = random_head(pair.target, 48, seed=2)
+    _public_checkpoint(tmp_path, head, producer="speculators")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": ids}))
+    with pytest.raises(ConfigError, match="layer"):
+        Eagle3Drafter(load_head(tmp_path, pair.target), pair.target)
+
+
+def test_a_checkpoints_own_embedding_is_used(pair, tmp_path):
+    """An embed_tokens that differs from the target's embeds the draft's tokens (as vLLM does), with a
+    warning; a head narrower than the target needs its own and drafts with it."""
+    target = pair.target
+    head = random_head(target, 48, seed=2)
+    own = torch.randn(target.vocab_size, head.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    _public_checkpoint(tmp_path / "own", head, embed=own)
+    with pytest.warns(UserWarning, match="own embed_tokens"):
+        loaded = load_head(tmp_path / "own", target)
+    drafter = Eagle3Drafter(loaded, target)
+    assert torch.equal(drafter.embed.weight, own)
+    shared = Eagle3Drafter(load_head(tmp_path / "own", None).requires_grad_(False), target)
+    assert torch.equal(shared.embed.weight, own)  # no target to compare with: kept
+    prompt = torch.arange(3, 11)
+    d = int(target.head_weight.shape[1])
+    narrow = Eagle3Head(Eagle3Config(hidden_size=d // 2, intermediate_size=d, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, vocab_size=target.vocab_size,
+                                     draft_vocab_size=48, target_hidden_size=d, feature_layers=(1, 1, 2)))
+    narrow.set_vocabulary(torch.arange(48))
+    _public_checkpoint(tmp_path / "narrow", narrow, embed=torch.randn(target.vocab_size, d // 2))
+    result = generate(target, prompt, drafter=Eagle3Drafter(load_head(tmp_path / "narrow", target), target),
+                      max_new_tokens=8)
+    assert result.token_ids == generate(target, prompt, max_new_tokens=8).token_ids
+
+
+def _variant(head: Eagle3Head, **flags) -> Eagle3Head:
+    """A head of ``head``'s weights with the variant ``flags`` (and their norms' random weights)."""
+    from dataclasses import replace
+
+    variant = Eagle3Head(replace(head.config, **flags))
+    variant.load_state_dict(head.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(7)
+    for name, param in variant.named_parameters():
+        if name.startswith(("input_norm", "fc_norm")):
+            param.data = 1 + torch.rand(param.shape, generator=g)
+    return variant.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("flag", ["norm_before_fc", "fc_norm"])
+def test_feature_norms_make_fc_blind_to_each_features_scale(pair, flag):
+    """norm_before_fc normalizes the three features together, fc_norm each alone: scaling all of them
+    (resp. one) leaves the fused state unchanged, where plain fc scales with them."""
+    head = random_head(pair.target, 40, seed=3)
+    normed, d = _variant(head, **{flag: True}), head.config.target_hidden_size
+    x = torch.randn(2, 3 * d)
+    scale = torch.ones(3 * d)
+    scale[(slice(None) if flag == "norm_before_fc" else slice(d, 2 * d))] = 5.0
+    torch.testing.assert_close(normed.fuse(x * scale), normed.fuse(x), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(head.fuse(x * scale), head.fuse(x), rtol=1e-2)
+    with pytest.raises(ConfigError, match="not both"):
+        _variant(head, norm_before_fc=True, fc_norm=True)
+
+
+def test_norm_output_feeds_the_normed_state_forward(pair):
+    """With norm_output the root's logits are the same (the LM head reads the normed state either way);
+    the next draft step takes the normed state, where EAGLE's head takes the pre-norm one."""
+    head = random_head(pair.target, 40, seed=3)
+    normed = _variant(head, norm_output=True)
+    d = head.config.hidden_size
+    embeds, feats, pos = torch.randn(1, 4, d), torch.randn(1, 4, 3 * d), torch.arange(4).view(1, -1)
+    caches = Eagle3Cache(), Eagle3Cache()
+    plain_root, normed_root = (h.state(embeds, feats, pos, c.attend) for h, c in zip((head, normed), caches, strict=True))
+    torch.testing.assert_close(normed.logits(normed_root), head.logits(plain_root))
+    step = torch.randn(1, 1, d), torch.tensor([[4]])
+    fed_normed = head.state(step[0], head.norm(plain_root[:, -1:]), step[1], caches[0].attend)
+    torch.testing.assert_close(normed.logits(normed.state(step[0], normed_root[:, -1:], step[1], caches[1].attend)),
+                               head.logits(fed_normed), rtol=1e-4, atol=1e-5)
+
+
+def test_sliding_window_rows_see_only_the_last_positions(pair):
+    """A row of a head with a window of 4 depends on the rows of the last 4 positions only: with rotary
+    attention, the last row's state over 10 rows equals its state over those 4 rows alone, fed in one
+    call or row by row."""
+    head = _variant(random_head(pair.target, 40, seed=3), sliding_window=4)
+    d, t = head.config.hidden_size, 10
+    embeds, feats = torch.randn(1, t, d), torch.randn(1, t, 3 * d)
+    positions = torch.arange(t).view(1, -1)
+    full = head.state(embeds, feats, positions, Eagle3Cache(4).attend)[:, -1]
+    alone = head.state(embeds[:, -4:], feats[:, -4:], positions[:, -4:], Eagle3Cache().attend)[:, -1]
+    torch.testing.assert_close(full, alone, rtol=1e-4, atol=1e-5)
+    cache = Eagle3Cache(4)
+    for i in range(t):
+        row = head.state(embeds[:, i : i + 1], feats[:, i : i + 1], positions[:, i : i + 1], cache.attend)[:, -1]
+    torch.testing.assert_close(row, alone, rtol=1e-4, atol=1e-5)
+    unwindowed = _variant(head, sliding_window=None)
+    assert not torch.allclose(unwindowed.state(embeds, feats, positions, Eagle3Cache().attend)[:, -1], alone, rtol=1e-2)
+
+
+def test_speculators_variants_load_from_their_checkpoints(pair, tmp_path):
+    """A speculators head with its norms (input_norm, fc_norm.*), norm_output and a sliding window loads
+    with each of them; a speculators config without norm_before_residual gets vLLM's default (True)."""
+    head = random_head(pair.target, 48, seed=2)
+    for flags in ({"norm_before_fc": True, "norm_output": True}, {"fc_norm": True, "sliding_window": 8}):
+        variant = _variant(head, **flags)
+        path = tmp_path / "-".join(flags)
+        _public_checkpoint(path, variant, layer="layers.0.", producer="speculators")
+        config = json.loads((path / "config.json").read_text())
+        config.update(speculators_model_type="eagle3", **{k: v for k, v in flags.items() if k != "sliding_window"})
+        if "sliding_window" in flags:
+            config["transformer_layer_config"] = {"layer_types": ["sliding_attention"], "sliding_window": 8}
+        (path / "config.json").write_text(json.dumps(config))
+        loaded = load_head(path, pair.target)
+        for key, value in flags.items():
+            assert getattr(loaded.config, key) == value
+        assert loaded.config.norm_before_residual  # absent from the config: vLLM's default for speculators
+        for name, value in variant.state_dict().items():
+            torch.testing.assert_close(loaded.state_dict()[name], value)
+    assert not Eagle3Config.from_dict(json.loads((tmp_path / "norm_before_fc-norm_output" / "config.json").read_text())
+                                      | {"speculators_model_type": None, "norm_before_residual": False}).norm_before_residual
 
 
 @pytest.mark.parametrize("spelling", ["rope_scaling", "rope_scaling_type", "rope_parameters"])

@@ -17,12 +17,24 @@ Checkpoints are laid out as the public EAGLE-3 heads (``config.json`` with ``dra
 ``speculators`` spellings (``layers.0.*``, a ``model.`` prefix, ``transformer_layer_config``) load too.
 A head trained here may leave ``lm_head.weight`` out (``"tie_lm_head_to_target": true``): its rows are
 then the target's output-embedding rows of the draft vocabulary, rebuilt at load time.
+
+Which target layers a config names depends on who wrote it (:meth:`Eagle3Config.from_dict`): EAGLE's
+reference code hard-codes the inputs to layers 2, L // 2 and L - 3 and writes no ids; ``speculators``
+and vLLM write those indices as they are (top-level ``eagle_aux_hidden_state_layer_ids``); SpecForge
+and SGLang write the *outputs* of layers 1, L // 2 - 1 and L - 4 under ``eagle_config`` (the same
+states: SGLang adds one when it captures them). Read without that shift, a SpecForge head would get
+every feature one layer early: lower acceptance, silently.
+
+A checkpoint's own ``embed_tokens.weight`` is used where it differs from the target's input embedding
+(as vLLM does; SGLang always takes the target's), and must be where the head is narrower or wider than
+the target (EAGLE-3's 70B heads); one equal to the target's is dropped and the target's is shared.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,10 +59,36 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
 
 
+def feature_layer_ids(raw: dict) -> tuple[int, ...]:
+    """The target layers a head's ``config.json`` names, as ``hidden_states`` indices (the input to layer
+    i; empty: EAGLE-3's default). In order: our ``feature_layers``; the top-level
+    ``eagle_aux_hidden_state_layer_ids`` of ``speculators`` and vLLM, the same indices; SpecForge's /
+    SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids``, which name layer *outputs* (SpecForge's
+    default [1, L // 2 - 1, L - 4] is EAGLE-3's [2, L // 2, L - 3]), so one is added. vLLM reads the
+    top-level key first too."""
+    eagle = raw.get("eagle_config") or {}
+    for ids, shift in ((raw.get("feature_layers"), 0), (raw.get("eagle_aux_hidden_state_layer_ids"), 0),
+                       (eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None, 1)):
+        if ids:
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                             for i in ids):
+                raise ConfigError(f"EAGLE-3 layer ids must be a list of integers, got {ids!r}")
+            return tuple(i + shift for i in ids)
+    return ()
+
+
 @dataclass
 class Eagle3Config:
     """Shape of an EAGLE-3 head. ``vocab_size`` is the target's; ``feature_layers`` index the
-    trunk's ``hidden_states`` (empty: EAGLE-3's default for the target's depth)."""
+    trunk's ``hidden_states`` (empty: EAGLE-3's default for the target's depth).
+
+    The variants ``speculators`` trains (each off in EAGLE's and SpecForge's heads): ``norm_before_residual``
+    (the layer's residual is the normed input state), ``norm_before_fc`` (one RMSNorm over the three
+    concatenated features before ``fc``; weight ``input_norm``), ``fc_norm`` (one RMSNorm per feature;
+    ``fc_norm.0-2``), ``norm_output`` (the final norm's output is both the LM head's input and the state
+    fed to the next draft step, where EAGLE feeds the pre-norm state) and ``sliding_window`` (each row
+    attends to the rows of the last ``sliding_window`` positions only).
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -66,6 +104,10 @@ class Eagle3Config:
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    sliding_window: int | None = None
     feature_layers: tuple[int, ...] = ()
     tie_lm_head_to_target: bool = False
     extra: dict = field(default_factory=dict)
@@ -76,6 +118,11 @@ class Eagle3Config:
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
         if self.feature_layers and len(self.feature_layers) != 3:
             raise ConfigError(f"an EAGLE-3 head fuses 3 target layers, got {list(self.feature_layers)}")
+        if self.norm_before_fc and self.fc_norm:
+            raise ConfigError("an EAGLE-3 head normalizes its features either together (norm_before_fc) or one by "
+                              "one (fc_norm), not both")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or int(self.sliding_window) < 1):
+            raise ConfigError(f"sliding_window must be a positive number of positions, got {self.sliding_window!r}")
 
     @classmethod
     def from_dict(cls, raw: dict) -> Eagle3Config:
@@ -88,9 +135,14 @@ class Eagle3Config:
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             if not raw.get("rope_scaling") and scaling.get("rope_type", scaling.get("type", "default")) != "default":
                 raw["rope_scaling"] = scaling
-        eagle = raw.get("eagle_config") or {}
-        layers = (raw.get("feature_layers") or eagle.get("eagle_aux_hidden_state_layer_ids")
-                  or raw.get("eagle_aux_hidden_state_layer_ids") or ())
+        layers = feature_layer_ids(raw)
+        eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+        raw.setdefault("norm_before_fc", eagle.get("norm_before_fc"))  # NVIDIA's heads keep it there
+        if "norm_before_residual" not in raw and "speculators_model_type" in raw:
+            raw["norm_before_residual"] = True  # what vLLM assumes of a speculators config without the key
+        types = raw.get("layer_types") or ()
+        if not (types and types[0] == "sliding_attention"):  # speculators trains windowed drafts by default
+            raw["sliding_window"] = None
         known = {f for f in cls.__dataclass_fields__ if f not in ("feature_layers", "extra")}
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
                    if k not in raw]
@@ -102,10 +154,14 @@ class Eagle3Config:
         return cls(**kwargs, feature_layers=tuple(layers))
 
     def to_dict(self) -> dict:
-        """The public layout: ``architectures``, ``draft_vocab_size``, ``eagle_config``..."""
+        """The public layout: ``architectures``, ``draft_vocab_size``, the layer ids in each reader's
+        convention (ours and vLLM's as they are, SGLang's ``eagle_config`` as layer outputs)..."""
         out = {k: v for k, v in asdict(self).items() if k not in ("feature_layers", "extra")}
-        out["feature_layers"] = list(self.feature_layers)
-        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}
+        if self.feature_layers:
+            out["feature_layers"] = out["eagle_aux_hidden_state_layer_ids"] = list(self.feature_layers)
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.feature_layers]}
+        if self.sliding_window is not None:  # transformers' spelling, which from_dict reads
+            out["layer_types"] = ["sliding_attention"]
         return {"architectures": [ARCHITECTURE], "model_type": "llama", **out, **self.extra}
 
     def llama_config(self):
@@ -205,7 +261,8 @@ class Eagle3DecoderLayer(nn.Module):
 class Eagle3Head(nn.Module):
     """``fc`` + ``midlayer`` + ``norm`` + ``lm_head`` over the draft vocabulary, with ``d2t``/``t2d``.
 
-    The token embedding is not part of the head: callers pass the (frozen) target's embeddings.
+    The token embedding is the target's (callers pass its embeddings), unless the checkpoint brings its
+    own (:attr:`embed_tokens`, set by :func:`load_head`).
     """
 
     def __init__(self, config: Eagle3Config):
@@ -213,7 +270,10 @@ class Eagle3Head(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.config = config
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        d_t = config.target_hidden_size
+        self.input_norm = RMSNorm(3 * d_t, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(d_t, config.rms_norm_eps) for _ in range(3)) if config.fc_norm else None
+        self.fc = nn.Linear(3 * d_t, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -222,6 +282,7 @@ class Eagle3Head(nn.Module):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.rotary = LlamaRotaryEmbedding(config=config.llama_config())
+        self.embed_tokens: nn.Embedding | None = None  # the checkpoint's own, where it differs from the target's
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -244,16 +305,27 @@ class Eagle3Head(nn.Module):
     def state(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               attend: Attend) -> torch.Tensor:
         """Output states (B, T, d) from token embeddings (B, T, d) and features (B, T, 3 d_t) at the
-        root or the head's own states (B, T, d) deeper; ``positions`` (B, T) are rotary positions."""
+        root or the head's own states (B, T, d) deeper; ``positions`` (B, T) are rotary positions. The
+        states are what the next draft step takes: pre-norm, or normed with ``norm_output``."""
         if hidden.shape[-1] != self.config.hidden_size:
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+            hidden = self.fuse(hidden.to(self.fc.weight.dtype))
         embeds = embeds.to(hidden.dtype)
         cos, sin = self.rope(positions, hidden)
-        return self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), attend)
+        out = self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), attend)
+        return self.norm(out) if self.config.norm_output else out
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` over the three target features (..., 3 d_t) -> (..., d), after their norms if any."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            features = torch.cat([norm(f) for norm, f in zip(self.fc_norm, features.chunk(3, dim=-1), strict=True)], -1)
+        return self.fc(features)
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (..., N) float32 from output states (..., d)."""
-        return self.lm_head(self.norm(state)).float()
+        """Draft-vocabulary logits (..., N) float32 from output states (..., d) (already normed with
+        ``norm_output``)."""
+        return self.lm_head(state if self.config.norm_output else self.norm(state)).float()
 
 
 # ------------------------------------------------------------------------------------------
@@ -266,7 +338,7 @@ def _normalize_name(name: str) -> str | None:
         if name.startswith(prefix) and not name.startswith("model.safetensors"):
             name = name[len(prefix):]
     name = name.replace("layers.0.", "midlayer.")
-    if name.startswith(("embed_tokens.", "rotary")) or "rotary_emb" in name:
+    if name.startswith("rotary") or "rotary_emb" in name:
         return None
     return name
 
@@ -341,12 +413,22 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values, compared in either's dtype (a bfloat16 checkpoint of a
+    float32 target's embedding, or the reverse)."""
+    if a.shape != b.shape or b.device.type == "meta":
+        return False
+    a = a.to(b.device)
+    return torch.equal(a, b.to(a.dtype)) or torch.equal(a.to(b.dtype), b)
+
+
 def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None) -> Eagle3Head:
     """An EAGLE-3 head from a local directory or hub id (public, SpecForge, ``speculators`` or ours).
 
     ``target`` supplies the tied LM-head rows of heads saved without ``lm_head.weight`` and checks
-    that the head fits it (vocabulary and hidden size). ``dtype`` defaults to the target's.
+    that the head fits it (vocabulary and hidden size); a checkpoint's ``embed_tokens`` equal to the
+    target's is then dropped (without a target it is kept). ``dtype`` defaults to the target's.
     """
     directory = resolve_head_dir(source)
     try:
@@ -370,18 +452,30 @@ def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torc
         weights["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
         weights["t2d"][ids[(ids >= 0) & (ids < config.vocab_size)]] = True
     head = Eagle3Head(config)
+    own_embed = weights.pop("embed_tokens.weight", None)
     if target is not None:
         d_t = int(target.head_weight.shape[1])
         if d_t != config.target_hidden_size:
             raise ConfigError(f"EAGLE-3 head {source} expects target hidden size {config.target_hidden_size}, "
                               f"the target has {d_t}")
-        d_e = int(target.model.get_input_embeddings().embedding_dim)
-        if d_e != config.hidden_size:
-            raise ConfigError(f"EAGLE-3 head {source} has hidden size {config.hidden_size}; it takes the target's "
-                              f"token embeddings, which are {d_e} wide")
+        target_embed = target.model.get_input_embeddings().weight
+        if own_embed is not None and _same_tensor(own_embed, target_embed):
+            own_embed = None  # speculators and SpecForge save the target's own: share it
+        if own_embed is None and int(target_embed.shape[1]) != config.hidden_size:
+            raise ConfigError(f"EAGLE-3 head {source} has hidden size {config.hidden_size} and no embed_tokens of its "
+                              f"own; the target's token embeddings are {int(target_embed.shape[1])} wide")
+        if own_embed is not None and tuple(own_embed.shape) == tuple(target_embed.shape):
+            warnings.warn(f"EAGLE-3 head {source} brings its own embed_tokens, which differ from the target's: "
+                          "the head embeds its tokens with them (as vLLM does; SGLang would take the target's)",
+                          stacklevel=2)
         if config.vocab_size != target.vocab_size:
             raise ConfigError(f"EAGLE-3 head {source} drafts over a vocabulary of {config.vocab_size} tokens, "
                               f"the target has {target.vocab_size}: it was trained for another target")
+    if own_embed is not None:
+        if tuple(own_embed.shape) != (config.vocab_size, config.hidden_size):
+            raise ConfigError(f"EAGLE-3 head {source}: embed_tokens.weight is {tuple(own_embed.shape)}, its config.json "
+                              f"says ({config.vocab_size}, {config.hidden_size})")
+        head.embed_tokens = nn.Embedding.from_pretrained(own_embed, freeze=True)  # head.to(dtype) below
     if "lm_head.weight" not in weights:
         if target is None or not config.tie_lm_head_to_target:
             raise ConfigError(f"{source}: no lm_head.weight (and no target to tie it to)")
@@ -392,7 +486,7 @@ def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torc
         missing, unexpected = head.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # shapes that disagree with config.json
         raise ConfigError(f"EAGLE-3 head {source}: weights do not fit its config.json: {err}") from None
-    missing = [m for m in missing if not m.startswith("rotary")]
+    missing = [m for m in missing if not m.startswith(("rotary", "embed_tokens."))]  # both set above
     if missing or unexpected:
         raise ConfigError(f"EAGLE-3 head {source}: missing weights {missing}, unexpected {unexpected}")
     if dtype is None:
@@ -414,10 +508,12 @@ def load_head(source: str | Path, target: CausalLM | None = None, *, dtype: torc
 class Eagle3Cache:
     """The head's own KV cache: keys/values (1, Hkv, C, hd) written in place into a buffer with spare
     capacity (:class:`~dropmatch.kv_cache.KVBuffer`; a ``torch.cat`` per draft token cost ~2 ms of a
-    5-token proposal on the embedded pair), and a length to crop back to."""
+    5-token proposal on the embedded pair), and a length to crop back to. Row i sits at rotary position
+    i; with a ``window``, a row attends to the rows of the last ``window`` positions only."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
         self.buffer = KVBuffer()
+        self.window = window
 
     def __len__(self) -> int:
         return self.buffer.length
@@ -440,8 +536,10 @@ class Eagle3Cache:
         keys, values = self.buffer.view()
         t = q.shape[2]
         mask = None
-        if t > 1:
+        if t > 1 or (self.window is not None and past + t > self.window):
             mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(diagonal=past)
+            if self.window is not None:  # query past + i sees keys past + i - window + 1 .. past + i
+                mask &= ~torch.ones_like(mask).tril(diagonal=past - self.window)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
 
 
@@ -470,15 +568,18 @@ class Eagle3Drafter:
         self.head, self.target, self.stop_below = head, target, stop_below
         num_layers = int(getattr(target.model.config, "num_hidden_layers", 0)) or len(target.trunk.layers)
         self.feature_layers: tuple[int, ...] = head.config.feature_layers or default_feature_layers(num_layers)
-        if max(self.feature_layers) > num_layers:
-            raise ConfigError(f"EAGLE-3 head wants target layer {max(self.feature_layers)}; the target has {num_layers}")
-        self.embed = target.model.get_input_embeddings()
+        if not all(0 <= i <= num_layers for i in self.feature_layers):  # L: the final (normed) state, as in HF
+            raise ConfigError(f"EAGLE-3 head wants target hidden states {list(self.feature_layers)}; the target has "
+                              f"0..{num_layers} (the input to each of its {num_layers} layers, then its output)")
+        own = head.embed_tokens is not None
+        self.embed = head.embed_tokens if own else target.model.get_input_embeddings()
+        self._embed_device = head.d2t.device if own else target.input_device
         self.vocab = target.vocab_size
         ids = head.draft_to_target
         # draft ids past a padded target vocabulary never get drafted: positions (N',) of the others
         self._keep = (ids < self.vocab).nonzero().squeeze(-1)
         self._ids = ids[self._keep]
-        self.cache = Eagle3Cache()
+        self.cache = Eagle3Cache(head.config.sliding_window)
         pack_linears(head)  # float32 CPU heads: one-row GEMMs through oneDNN (22 -> 14 ms a 5-token proposal);
         # the reordered weights are copies: call onednn_linear.unpack_linears(head) before training it further
         self._feats: torch.Tensor | None = None
@@ -490,14 +591,14 @@ class Eagle3Drafter:
         """``features`` (n, 3 d_t): the target's chosen-layer states at the prompt positions."""
         if features is None:
             raise ConfigError("the EAGLE-3 drafter needs the target's features (use dropmatch.engine.generate)")
-        self.cache = Eagle3Cache()
+        self.cache = Eagle3Cache(self.head.config.sliding_window)
         self._feats, self._tokens = features, prompt_ids.view(-1)[1:].tolist()
         self._proposed, self._rows = [], 0
 
     def _forward(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
         """Feed rows at positions start.. into the cache; return the last row's state (1, 1, d)."""
         device = self.head.d2t.device
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.target.input_device).view(1, -1)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self._embed_device).view(1, -1)
         positions = torch.arange(start, start + ids.shape[1], device=device).view(1, -1)
         embeds = self.embed(ids).to(device)  # the embedding may sit on another GPU (device_map)
         state = self.head.state(embeds, hidden.view(1, ids.shape[1], -1).to(device), positions, self.cache.attend)
