@@ -33,7 +33,7 @@ from .models import ModelPair
 from .provenance import note_models
 from .rules.judge import Judge
 from .runner import append_result, model_identity, read_results
-from .stopping import StopOnText
+from .stopping import StopOnText, stop_strings
 
 
 @dataclass
@@ -68,16 +68,16 @@ class Miner:
     Args:
         pair: target and draft.
         answer: final answer from generated text (GSM8K: the last number after ``####``).
-        stop: stop strings of the task.
+        stop: stop strings of the task (a bare ``str`` is one stop string).
         max_new_tokens: budget of the greedy answer and of every regeneration.
         max_mismatches: mismatches labelled per problem (bounds the cost: one regeneration each).
     """
 
-    def __init__(self, pair: ModelPair, answer: Callable[[str], str | None], stop: Sequence[str] = (),
+    def __init__(self, pair: ModelPair, answer: Callable[[str], str | None], stop: str | Sequence[str] = (),
                  max_new_tokens: int = 160, max_mismatches: int = 6, draft_len: int = 5):
         if pair.draft is None:
             raise ConfigError("mining needs a draft model")
-        self.pair, self.answer, self.stop = pair, answer, tuple(stop)
+        self.pair, self.answer, self.stop = pair, answer, stop_strings(stop)
         self.max_new_tokens, self.max_mismatches = max_new_tokens, max_mismatches
         self.greedy = Decoder(pair, MethodConfig("sd", draft_len=draft_len))  # lossless: the target's greedy output
 
@@ -131,14 +131,15 @@ class Miner:
         return found
 
 
-def mining_settings(pair: ModelPair, stop: Sequence[str], max_new_tokens: int, max_mismatches: int) -> dict:
+def mining_settings(pair: ModelPair, stop: str | Sequence[str], max_new_tokens: int,
+                    max_mismatches: int) -> dict:
     """What a mined record depends on besides its problem: the models, the budget, the mismatch cap."""
-    return {"model": model_identity(pair), "stop": list(stop), "max_new_tokens": max_new_tokens,
+    return {"model": model_identity(pair), "stop": list(stop_strings(stop)), "max_new_tokens": max_new_tokens,
             "max_mismatches": max_mismatches}
 
 
 def mine(pair: ModelPair, problems: Sequence[tuple[str, str]], out: str | Path, *,
-         answer: Callable[[str], str | None], stop: Sequence[str] = (), max_new_tokens: int = 160,
+         answer: Callable[[str], str | None], stop: str | Sequence[str] = (), max_new_tokens: int = 160,
          max_mismatches: int = 6, progress: bool = True) -> list[Mismatch]:
     """Mine ``problems`` (id, prompt text) into ``out`` (JSON lines, one problem per line), resumably.
 

@@ -275,8 +275,12 @@ def rollback(cache, n_tokens: int) -> None:
     """Drop the last ``n_tokens`` (>= 0) entries of a cache made by :meth:`CausalLM.new_cache`.
 
     Called after every speculative step, also with 0: that trims sliding-window layers back to
-    their window.
+    their window. A count past the cached length is a ``ValueError`` raised before any layer is
+    cropped (``crop`` goes layer by layer: a hybrid cache would be left half-cropped).
     """
+    cached = int(cache.get_seq_length())
+    if not 0 <= n_tokens <= cached:
+        raise ValueError(f"cannot drop {n_tokens} of {cached} cached positions")
     cache.crop(-n_tokens)
 
 

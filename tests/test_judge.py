@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dropmatch.errors import ConfigError
-from dropmatch.judge_mining import Miner, Mismatch, mine, thresholds_for_shares, train_judge
+from dropmatch.judge_mining import Miner, Mismatch, mine, mining_settings, thresholds_for_shares, train_judge
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.rules.judge import Judge
 
@@ -54,6 +54,12 @@ def test_mining_is_resumable(tiny, tmp_path):
     again = mine(tiny, problems, out, answer=lambda t: t[:5], max_new_tokens=16, max_mismatches=2, progress=False)
     assert len(out.read_text().splitlines()) == 3
     assert [m.position for m in again[: len(first)]] == [m.position for m in first]
+
+
+def test_a_bare_stop_string_is_one_stop_string_not_its_characters(tiny):
+    """``stop="Answer"`` must not stop at every 'A', 'n', 's', ... nor key the records by characters."""
+    assert Miner(tiny, lambda text: text, stop="Answer").stop == ("Answer",)
+    assert mining_settings(tiny, "Answer", 10, 1)["stop"] == ["Answer"]
 
 
 def _separable(n=200, d=16, seed=0):

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from dropmatch.kv_cache import InPlaceLayer, InPlaceSlidingWindowLayer, use_in_place_layers
-from dropmatch.models import load_pair
+from dropmatch.models import CausalLM, load_pair, rollback
 
 
 def _reference_cache(model):
@@ -64,3 +64,26 @@ def test_buffer_growth_keeps_old_states_and_crop_refuses_positive_counts():
     torch.testing.assert_close(layer.values, states[:, :, :650])
     with pytest.raises(ValueError):
         layer.crop(5)
+
+
+@pytest.mark.parametrize("n_tokens", [7, -1])
+def test_a_refused_rollback_leaves_a_hybrid_cache_whole(n_tokens):
+    """LFM2's cache (conv, attention, conv layers) is cropped layer by layer: a count outside [0, cached]
+    is refused before the conv layer 0 is cropped, and the cache goes on giving a fresh forward's states."""
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    config = Lfm2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"],
+                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    target = CausalLM(AutoModelForCausalLM.from_config(config).eval())
+    with torch.inference_mode():
+        cache, _ = target.new_cache(prompt_ids=torch.tensor([2, 5, 6]))
+        target.hidden(torch.tensor([7, 8, 9]), cache)
+        with pytest.raises(ValueError, match=f"cannot drop {n_tokens} of 6 cached positions"):
+            rollback(cache, n_tokens)
+        assert [int(layer.get_seq_length()) for layer in cache.layers] == [6, 6, 6]
+        rollback(cache, 2)
+        cached = target.hidden(torch.tensor([10, 11]), cache)
+        fresh = target.trunk(input_ids=torch.tensor([[2, 5, 6, 7, 10, 11]])).last_hidden_state[0, -2:]
+    torch.testing.assert_close(cached, fresh, atol=1e-5, rtol=1e-5)

@@ -191,6 +191,26 @@ def test_judge_study_rows(tmp_path):
     assert fig1a["verdict"] == verdicts.NOT_TESTABLE and "underpowered" in fig1a["reason"]
 
 
+def test_each_tasks_most_permissive_threshold_scores_its_own_rows(tmp_path):
+    """gsm8k's and ifeval's most permissive thresholds differ (0.5 and 0.2): the Table 8 score change reads
+    gsm8k's t=0.5 runs and Fig. 6's ifeval's t=0.2 runs, whatever order the claims are measured in."""
+    from dropmatch.paper import P_DROP
+    from dropmatch.verdicts import claims
+
+    rows = [("gsm8k", "sd@L5", 3.0, 0.50), ("gsm8k", "judge(t=0.2)", 3.5, 0.48), ("gsm8k", "judge(t=0.5)", 4.0, 0.46),
+            ("gsm8k", "judge+dropmatch(js,t=0.5,p=0.3)", 4.3, 0.40),
+            ("gsm8k", "judge+dropmatch(js,t=0.2,p=0.3)", 3.8, 0.47), ("ifeval", "sd@L5", 3.0, 0.50),
+            ("ifeval", "judge(t=0.2)", 3.6, 0.49), ("ifeval", "judge+dropmatch(js,t=0.2,p=0.3)", 3.9, 0.45)]
+    table = pd.DataFrame(rows, columns=["task", "method", "paper_tau", "mean"])
+    table.assign(mean_lo=table["mean"] - 0.05, mean_hi=table["mean"] + 0.05, n=50).to_csv(
+        tmp_path / "judge_study.csv", index=False)
+    measures = {claim.comparison: measure for claim, measure in claims.judge_claims(tmp_path)}
+    gsm8k = measures["score change AJ+DM - AJ, gsm8k, most permissive threshold"](P_DROP)
+    ifeval = measures["score change AJ+DM - AJ, ifeval, most permissive threshold"](P_DROP)
+    assert gsm8k.estimate.value == pytest.approx(100 * (0.40 - 0.46))
+    assert ifeval.estimate.value == pytest.approx(100 * (0.45 - 0.49))
+
+
 def test_every_numbered_result_has_a_row_and_nothing_crashes_without_results(tmp_path):
     table = verdicts.verdict_table(tmp_path / "missing", P_EQUAL, "ours")
     assert list(table.columns) == verdicts.COLUMNS

@@ -121,7 +121,7 @@ def judge_claims(results_dir: Path) -> Claims:
                           setup=PAPER_SETUPS["fig1a"], text=f"{judged - standard:+.1f} ({standard:g} -> {judged:g}, "
                                                             "read off)"),
                     when(top, lambda p, task=task, top=top: quality(runs, aj(task, top), sd(task), "Auto-Judge and SD"))))
-    ts, top = _thresholds(runs, "gsm8k")
+    ts, gsm8k_top = _thresholds(runs, "gsm8k")
     for t in ts or [None]:
         label = f"threshold {t:g} (ours)" if t is not None else "per threshold"
         out.append((Claim("Table 8", f"speed-up AJ+DM / AJ (decode tokens/s), gsm8k, {label}", *TABLE8_SPEEDUP_RANGE,
@@ -135,14 +135,14 @@ def judge_claims(results_dir: Path) -> Claims:
     out.append((Claim("Table 8", "score change AJ+DM - AJ, gsm8k, most permissive threshold", both_acc - aj_acc,
                       both_acc - aj_acc, "points", QUALITY_TOLERANCE_POINTS, null=0.0, p_drop=P_DROP,
                       setup=PAPER_SETUPS["table8"]),
-                when(top, lambda p: quality(runs, both("gsm8k", top, p), aj("gsm8k", top), "AJ+DM and AJ",
-                                            lossless=sd("gsm8k")))))
-    top = _thresholds(runs, "ifeval")[1]
+                when(gsm8k_top, lambda p: quality(runs, both("gsm8k", gsm8k_top, p), aj("gsm8k", gsm8k_top),
+                                                  "AJ+DM and AJ", lossless=sd("gsm8k")))))
+    ifeval_top = _thresholds(runs, "ifeval")[1]
     fig6 = dict(p_drop=P_DROP, setup=PAPER_SETUPS["fig6"])
     (aj_acc, aj_speed), (both_acc, both_speed) = FIG6_IFEVAL["auto-judge"], FIG6_IFEVAL["auto-judge+dm"]
 
     def agreement_gain(p):
-        rows = [both("ifeval", top, p), aj("ifeval", top), sd("ifeval")]
+        rows = [both("ifeval", ifeval_top, p), aj("ifeval", ifeval_top), sd("ifeval")]
         if any(r is None for r in rows):
             return missing("no AJ+DM, AJ and SD runs on ifeval in judge_study.csv")
         records = [runs.records(r) for r in rows]
@@ -156,15 +156,16 @@ def judge_claims(results_dir: Path) -> Claims:
         (Claim("Fig. 6", "score change AJ+DM - AJ, ifeval, most permissive threshold", both_acc - aj_acc,
                both_acc - aj_acc, "points", FIGURE_TOLERANCE_POINTS, null=0.0,
                text=f"{both_acc - aj_acc:+.1f} (read off)", **fig6),
-         when(top, lambda p: quality(runs, both("ifeval", top, p), aj("ifeval", top), "AJ+DM and AJ",
-                                     lossless=sd("ifeval")))),
+         when(ifeval_top, lambda p: quality(runs, both("ifeval", ifeval_top, p), aj("ifeval", ifeval_top),
+                                            "AJ+DM and AJ", lossless=sd("ifeval")))),
         (Claim("Fig. 6", "answer agreement with SD, AJ+DM minus AJ, ifeval, most permissive threshold "
                "(proxy at this size; the paper shows accuracy)", 0.0, 1.0, "share of prompts", null=0.0,
-               kind="effect", text="> 0 (AJ+DM keeps more quality)", **fig6), when(top, agreement_gain)),
+               kind="effect", text="> 0 (AJ+DM keeps more quality)", **fig6), when(ifeval_top, agreement_gain)),
         (Claim("Fig. 6", "speed-up AJ+DM / AJ (decode tokens/s), ifeval, most permissive threshold",
                both_speed / aj_speed, both_speed / aj_speed, "x", FIGURE_RATIO_TOLERANCE, null=1.0,
                text=f"{both_speed / aj_speed:.3f} ({both_speed:g}x / {aj_speed:g}x, read off)", **fig6),
-         when(top, lambda p: ratio(runs, both("ifeval", top, p), aj("ifeval", top), "speed", "AJ+DM / AJ"))),
+         when(ifeval_top, lambda p: ratio(runs, both("ifeval", ifeval_top, p), aj("ifeval", ifeval_top), "speed",
+                                          "AJ+DM / AJ"))),
     ]
     return out
 
