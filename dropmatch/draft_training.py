@@ -12,7 +12,12 @@ Two phases inside one wall-clock budget, both resumable (re-running the same com
 2. **Training** with EAGLE-3's training-time test: the head is unrolled ``ttt_steps`` times on its own
    output states (step j: row p attends to step-0 rows <= p and to its own rows of steps 1..j, at rotary
    position p + j, exactly as in chain drafting); the loss is the soft cross-entropy against the target's
-   distribution, step j weighted 0.8^j. Checkpoints every ``checkpoint_minutes``.
+   distribution, step j weighted 0.8^j. Checkpoints every ``checkpoint_minutes``. The learning rate
+   warms up over ``warmup_steps`` and decays (cosine, to a tenth) over ``max_steps``; without
+   ``max_steps`` over a step count estimated once, from the speed of the first ``ESTIMATE_AFTER`` steps,
+   and kept in ``work_dir`` for resumed runs. The schedule depends on the step count only: with
+   ``max_steps`` a run is reproducible from its seed; a run the budget ends is reproducible only where
+   the estimate and the number of steps come out the same (both depend on the machine's speed).
 
 The result is written in the public EAGLE-3 layout (see :mod:`dropmatch.drafters.eagle3`) with the LM head
 tied to the target's rows (not stored) and a ``manifest.json`` (data, steps, seed, revision, accuracy).
@@ -25,20 +30,23 @@ import json
 import logging
 import math
 import random
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from time import monotonic
 
 import torch
 import torch.nn.functional as F
 
 from .drafters.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, init_head, save_head
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .models import CausalLM, ModelPair
 from .paths import data_dir
 
 log = logging.getLogger(__name__)
+
+TRAIN_SOURCES = ("gsm8k_train", "mmlu_dev")  # keys of dropmatch.tasks.data.SOURCES
+ESTIMATE_AFTER = 20  # steps timed to estimate a budget-bounded run's length (its learning-rate schedule)
 
 
 @dataclass
@@ -65,7 +73,7 @@ class TrainConfig:
     val_sequences: int = 4
     checkpoint_minutes: float = 3.0
     seed: int = 0
-    sources: tuple[str, ...] = ("gsm8k_train", "mmlu_dev")
+    sources: tuple[str, ...] = TRAIN_SOURCES
 
     def __post_init__(self) -> None:
         at_least = {"seq_len": 2, "draft_vocab": 1, "topk": 1, "ttt_steps": 1, "batch_size": 1, "warmup_steps": 1,
@@ -75,36 +83,46 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
-        for name in ("max_steps", "max_sequences"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r}")
+        if self.seq_len < self.ttt_steps + 1:
+            raise ConfigError(f"seq-len must be >= ttt-steps + 1 (each unrolled step predicts a later token), got "
+                              f"seq-len {self.seq_len} and ttt-steps {self.ttt_steps}")
+        for name, low in (("max_steps", 1), ("max_sequences", 2)):  # one validation + one training sequence
+            if getattr(self, name) is not None and getattr(self, name) < low:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)!r}")
         if not (self.budget_minutes > 0 and self.lr > 0 and self.checkpoint_minutes > 0):
             raise ConfigError("budget-minutes, lr and checkpoint-minutes must be > 0")
         if not 0 < self.data_fraction < 1:
             raise ConfigError(f"data-fraction must be in (0, 1), got {self.data_fraction!r}")
+        _check_sources(self.sources)
 
 
 # ------------------------------------------------------------------------------------------
 # Text
 
 
-def training_documents(sources: tuple[str, ...] = ("gsm8k_train", "mmlu_dev"), root: Path | None = None) -> list[str]:
+def _check_sources(sources: tuple[str, ...]) -> None:
+    if not sources or any(s not in TRAIN_SOURCES for s in sources):
+        raise ConfigError(f"training sources must be some of {', '.join(TRAIN_SOURCES)}, got {list(sources)!r}")
+
+
+def training_documents(sources: tuple[str, ...] = TRAIN_SOURCES, root: Path | None = None) -> list[str]:
     """English training documents: GSM8K train (``Question: ...\\nAnswer: ...``, the few-shot prompt
-    format) and MMLU dev rows (question, lettered choices, answer). Training splits only."""
+    format) and MMLU dev rows by subject (question, lettered choices, answer). Training splits only, read
+    and checked by the benchmark loader (a malformed file, or a missing one the hub cannot replace, is a
+    ``DataError``)."""
+    from .tasks.data import _choices, _records
+
+    _check_sources(sources)
     root = root or data_dir()
     docs: list[str] = []
     if "gsm8k_train" in sources:
-        for line in (root / "gsm8k" / "train.jsonl").read_text().splitlines():
-            ex = json.loads(line)
-            docs.append(f"Question: {ex['question']}\nAnswer: {ex['answer']}\n\n")
+        docs += [f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in _records("gsm8k_train", root)]
     if "mmlu_dev" in sources:
-        import csv
-
-        for path in sorted((root / "mmlu").glob("**/*dev*.csv")):
-            with path.open(newline="") as f:
-                for row in csv.DictReader(f):
-                    choices = "".join(f"{'ABCD'[i]}. {row[f'choice{i}']}\n" for i in range(4))
-                    docs.append(f"{row['question']}\n{choices}Answer: {'ABCD'[int(row['answer'])]}\n\n")
+        dev = _records("mmlu_dev", root)
+        for subject in sorted(dev):
+            for r in dev[subject]:
+                choices = "".join(f"{letter}. {text}\n" for letter, text in zip("ABCD", _choices(r), strict=True))
+                docs.append(f"{r['question']}\n{choices}Answer: {'ABCD'[int(r['answer'])]}\n\n")
     return docs
 
 
@@ -168,16 +186,33 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()
 
 
+def _head_shape(config_json: dict) -> dict:
+    """The head shape a ``config.json`` text describes, however :meth:`Eagle3Config.to_dict` spelled it."""
+    shape = asdict(Eagle3Config.from_dict(config_json))
+    del shape["extra"]
+    return shape
+
+
 def _check_resumable(work: Path, state: dict, run: dict) -> None:
     """Record what the work directory's labels and checkpoint depend on (the sequences, the draft
-    vocabulary the label ids index, the head's shape), or refuse to resume a run that differs."""
-    saved = state.setdefault("run", run)
-    changed = sorted(k for k in run if saved.get(k) != json.loads(json.dumps(run[k])))
+    vocabulary the label ids index, the head's shape, the settings its steps were taken with), or refuse
+    to resume a run that differs. A setting an older record lacks is taken as it is now."""
+    run = json.loads(json.dumps(run))
+    saved = state["run"] = {**run, **state.get("run", {})}
+    changed = [k for k in run if k != "head" and saved[k] != run[k]]
+    if _head_shape(saved["head"]) != _head_shape(run["head"]):
+        changed.append("head shape")
     if changed:
-        raise ConfigError(f"{work} holds a training run with other {', '.join(changed)} (data sources, sequence "
-                          "length, draft vocabulary, top-k or head shape); resume with its settings, or pass a "
-                          "new --work-dir")
+        raise ConfigError(f"{work} holds a training run with other {', '.join(changed)}; resume with its "
+                          "settings, or pass a new --work-dir")
     _save_state(work, state)
+
+
+def learning_rate(cfg: TrainConfig, step: int, total_steps: int | None) -> float:
+    """The learning rate of step ``step`` (0-based): linear warmup over ``warmup_steps``, then a cosine
+    decay to a tenth at ``total_steps`` (none while the run's length is not known yet)."""
+    progress = min(step / total_steps, 1.0) if total_steps else 0.0
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # ------------------------------------------------------------------------------------------
@@ -273,11 +308,11 @@ def train_draft(pair: ModelPair, cfg: TrainConfig, documents: list[str] | None =
     work.mkdir(parents=True, exist_ok=True)
     state = _load_state(work)
     budget = cfg.budget_minutes * 60
-    session_start = time.monotonic()
+    session_start = monotonic()
     elapsed0 = state["elapsed_s"]
 
     def elapsed() -> float:
-        return elapsed0 + time.monotonic() - session_start
+        return elapsed0 + monotonic() - session_start
 
     target = pair.target
     docs = documents if documents is not None else training_documents(cfg.sources)
@@ -286,13 +321,17 @@ def train_draft(pair: ModelPair, cfg: TrainConfig, documents: list[str] | None =
     sequences = pack_sequences(token_docs, cfg.seq_len, bos, cfg.seed)
     if cfg.max_sequences:
         sequences = sequences[: cfg.max_sequences]
+    if len(sequences) < 2:  # one to validate on, one to train on
+        raise DataError(f"need >= 2 sequences of {cfg.seq_len} tokens, got {len(sequences)} from {len(docs)} "
+                        "documents; give more text or a smaller --seq-len")
     eos = tuple(i for i in pair.eos_token_ids if i < target.vocab_size)
     vocab = draft_vocabulary(token_docs, cfg.draft_vocab, always=eos)
     config = head_config(target, cfg)
     config.draft_vocab_size = int(vocab.numel())
     layers = config.feature_layers
     _check_resumable(work, state, {"sequences": _digest(sequences), "draft_vocabulary": _digest(vocab.tolist()),
-                                   "topk": cfg.topk, "head": config.to_dict()})
+                                   "topk": cfg.topk, "head": config.to_dict(), "ttt_steps": cfg.ttt_steps,
+                                   "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps})
     in_vocab = set(vocab.tolist())
     covered = sum(t in in_vocab for doc in token_docs for t in doc) / max(1, sum(map(len, token_docs)))
     log.info("%d documents, %d sequences of %d tokens; draft vocabulary %d covers %.1f%% of text tokens",
@@ -334,9 +373,8 @@ def train_draft(pair: ModelPair, cfg: TrainConfig, documents: list[str] | None =
         gen.set_state(saved["generator"])
         step, history = saved["step"], saved["history"]
         log.info("resuming training at step %d", step)
-    train_start = state.setdefault("train_start_s", elapsed())
     margin = min(30.0, 0.05 * budget)  # kept for the export
-    train_budget = max(budget - train_start - margin, 1.0)
+    total_steps = cfg.max_steps or state.get("estimated_steps")
 
     def batch():
         pick = torch.randint(len(train_shards), (cfg.batch_size,), generator=gen).tolist()
@@ -349,12 +387,12 @@ def train_draft(pair: ModelPair, cfg: TrainConfig, documents: list[str] | None =
         state["elapsed_s"] = elapsed()
         _save_state(work, state)
 
-    last_ckpt = time.monotonic()
+    last_ckpt = timed_from = monotonic()
+    first_step = step
     head.train()
     with tqdm(total=cfg.max_steps, initial=step, desc="train eagle3", unit="step") as bar:
         while (cfg.max_steps is None or step < cfg.max_steps) and elapsed() < budget - margin:
-            progress = max((elapsed() - train_start) / train_budget, step / cfg.max_steps if cfg.max_steps else 0.0)
-            lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+            lr = learning_rate(cfg, step, total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             feats, tokens, label_ids, label_logits = batch()
@@ -364,14 +402,23 @@ def train_draft(pair: ModelPair, cfg: TrainConfig, documents: list[str] | None =
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             step += 1
+            if total_steps is None and step - first_step == ESTIMATE_AFTER:  # once per run, kept for resuming
+                seconds_per_step = (monotonic() - timed_from) / ESTIMATE_AFTER
+                left = max(0, int((budget - margin - elapsed()) / seconds_per_step))
+                total_steps = state["estimated_steps"] = step + left
+                log.info("learning-rate schedule over an estimated %d steps", total_steps)
             history.append({"step": step, "loss": loss.item(), "acc": accs, "lr": lr, "t": elapsed()})
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs),
                             left=f"{(budget - elapsed()) / 60:.1f}m")
-            if time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
+            if monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
                 save_checkpoint()
-                last_ckpt = time.monotonic()
+                last_ckpt = monotonic()
     save_checkpoint()
+    if step == 0:
+        raise ConfigError(f"the budget of {cfg.budget_minutes:g} minutes left no time for a training step "
+                          f"({elapsed():.0f} s used); nothing written to {cfg.out}. Re-run with a larger "
+                          f"--budget-minutes to continue the run in {work}")
     head.eval()
     val = evaluate(head, embed, val_shards, cfg.ttt_steps)
     manifest = {
@@ -379,10 +426,10 @@ def train_draft(pair: ModelPair, cfg: TrainConfig, documents: list[str] | None =
                  "train_tokens": sum(int(s["tokens"].numel()) for s in train_shards),
                  "val_sequences": n_val, "labels": f"target top-{cfg.topk} logits over the draft vocabulary",
                  "draft_vocab_text_coverage": covered},
-        "steps": step, "seed": cfg.seed, "code_revision": git_revision(),
+        "steps": step, "lr_schedule_steps": total_steps, "seed": cfg.seed, "code_revision": git_revision(),
         "elapsed_minutes": elapsed() / 60, "train_config": asdict(cfg),
         "val_top1_acc_per_ttt_step": val,
-        "final_train_loss": history[-1]["loss"] if history else None,
+        "final_train_loss": history[-1]["loss"],
     }
     save_head(head, cfg.out, manifest=manifest)
     state["elapsed_s"] = elapsed()
@@ -409,8 +456,9 @@ def calibrate_norm(head: Eagle3Head, embed, shards: list[dict], steps: int,
     return best
 
 
-def evaluate(head: Eagle3Head, embed, shards: list[dict], steps: int) -> list[float]:
-    """Top-1 agreement with the target (within the draft vocabulary) per unrolled step on ``shards``."""
+def evaluate(head: Eagle3Head, embed, shards: list[dict], steps: int) -> list[float | None]:
+    """Top-1 agreement with the target (within the draft vocabulary) per unrolled step on ``shards``
+    (``None`` for a step without rows)."""
     sums, counts = [0.0] * steps, [0] * steps
     with torch.no_grad():
         for s in shards:
@@ -419,4 +467,4 @@ def evaluate(head: Eagle3Head, embed, shards: list[dict], steps: int) -> list[fl
             for j, (a, n) in enumerate(zip(accs, ns, strict=True)):
                 sums[j] += a * n
                 counts[j] += n
-    return [s / c if c else 0.0 for s, c in zip(sums, counts, strict=True)]
+    return [s / c if c else None for s, c in zip(sums, counts, strict=True)]
