@@ -45,7 +45,8 @@ bench-engine: $(STAMP)
 bench-dropmatch: $(STAMP)
 	$(PY) -m dropmatch.benchmarks.dropmatch_overhead
 
-gpu-check: $(STAMP)
+gpu-check: $(STAMP)  # the CUDA cases of the decision tests (sparse vs dense heads, decoding paths), then the timings
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_sparse_heads.py
 	$(PY) -m dropmatch.benchmarks.gpu_check $(ARGS)
 
 # EAGLE-3 head for the embedded pair (regenerates dropmatch/assets/eagle3-gemma-3-270m; resumable)

@@ -49,7 +49,8 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     dm.add_argument("--majority", default=d.majority, help="strict (> K/2) or plurality")
     dm.add_argument("--literal", action="store_true",
                     help="paper-literal: the criterion decides every position, exact matches included")
-    dm.add_argument("--head-dtype", help="dtype of the dropout perturbation GEMM (default bfloat16)")
+    dm.add_argument("--head-dtype", help="dtype of the dropout perturbation GEMM (default bfloat16; a CPU float32 "
+                                         "head computes exact float32 heads whatever this says)")
     rv = parser.add_argument_group("rivals (--method topk|typical|divergence|fly|ensemble)")
     rv.add_argument("--topk", type=int, default=d.topk, help="top-K acceptance: K")
     rv.add_argument("--typical-eps", type=float, default=d.typical_eps)
@@ -59,7 +60,8 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     rv.add_argument("--fly-entropy", type=float, default=d.fly_entropy,
                     help="FLy: keep a mismatch only where the target's top-3 entropy is >= this (nats)")
     rv.add_argument("--fly-window", type=int, default=d.fly_window,
-                    help="FLy: following draft tokens that must be accepted exactly (the authors' win_len - 1)")
+                    help="FLy: following draft tokens that must be accepted exactly (the authors' win_len - 1; "
+                         "needs --draft-len >= this + 2)")
     rv.add_argument("--ensemble-weight", type=float, default=d.ensemble_weight,
                     help="static ensemble: verify against w p + (1 - w) q; 1 = standard verification")
     jg = parser.add_argument_group("trained judge (--method judge|judge+dropmatch)")

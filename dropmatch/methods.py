@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -108,6 +109,11 @@ class MethodConfig:
                               f"not {self.draft!r}")
         if self.method.startswith("judge") and not self.judge_path:
             raise ConfigError("--method judge needs --judge PATH (train one with `python -m dropmatch judge train`)")
+        if self.method == "fly" and self.fly_window > 0 and self.fly_window + 2 > self.draft_len:
+            raise ConfigError(f"FLy with a window of {self.fly_window} keeps a mismatch only where the window ends "
+                              f"before the draft's last token, which a draft of {self.draft_len} never allows: it "
+                              f"would be standard SD. Pass --draft-len >= {self.fly_window + 2} or a smaller "
+                              "--fly-window")
         if "dropmatch" in self.method:
             check_dropout_args(self.k, self.p_drop)
             check_criterion_args(self.criterion, self.majority)
@@ -167,10 +173,16 @@ class MethodConfig:
 
 
 def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None = None) -> DropoutHead:
-    """K dropout heads on ``target``'s LM head, sharing its weight copy in the compute dtype."""
+    """K dropout heads on ``target``'s LM head, sharing its weight copy in the compute dtype. On a CPU with
+    oneDNN and a float32 head the heads are exact float32 (sparse columns or exact rows, see
+    :class:`~dropmatch.heads.dropout.DropoutHead`) whatever ``head_dtype`` says: a warning says so."""
     dtype = _dtype(head_dtype, target.device) if head_dtype else default_head_dtype(target.head_weight)
-    return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
+    head = DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
                        weight_in_compute_dtype=target.head_weight_as(dtype))
+    if head_dtype and (head.exact_rows or head.compute_dtype != dtype):
+        warnings.warn(f"--head-dtype {head_dtype} does not apply here: a CPU float32 head computes its dropout "
+                      "heads exactly in float32 (the method's label still names the dtype)", stacklevel=2)
+    return head
 
 
 def build_criterion(target: CausalLM, config: MethodConfig) -> Criterion | None:

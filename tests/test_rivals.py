@@ -373,3 +373,21 @@ def test_a_draft_that_does_not_fit_the_target_vocabulary_is_refused(tiny):
             verify_step(target, StandardVerification(), hidden, draft, SAMPLE, torch.Generator().manual_seed(0))
     verify_step(target, StandardVerification(), hidden, Draft(ok, logits=torch.zeros(2, vocab)), SAMPLE,
                 torch.Generator().manual_seed(0))
+
+
+def test_fly_that_can_never_keep_a_mismatch_is_refused():
+    """FLy keeps a mismatch only where its window ends before the draft's last token: at the default
+    window 5 a draft of 5 never allows that, and the method would silently be standard SD."""
+    with pytest.raises(ConfigError, match="draft-len >= 7"):
+        MethodConfig("fly")
+    with pytest.raises(ConfigError, match="draft-len >= 4"):
+        MethodConfig("fly", draft_len=3, fly_window=2)
+    assert MethodConfig("fly", draft_len=7).fly_window == 5
+    assert MethodConfig("fly", draft_len=2, fly_window=0).fly_window == 0  # no window: the entropy gate alone
+
+
+def test_a_head_dtype_that_does_not_apply_is_said():
+    """On a CPU float32 head the dropout heads are exact float32 whatever --head-dtype asks for."""
+    tiny = load_pair("tiny")
+    with pytest.warns(UserWarning, match="does not apply"):
+        Decoder(tiny, MethodConfig("dropmatch", p_drop=0.032, head_dtype="bfloat16"))

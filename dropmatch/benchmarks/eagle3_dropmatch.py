@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..methods import Decoder, MethodConfig
 from ..models import load_pair
 from ..summarize import bootstrap_ci
@@ -79,9 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--p-drop", type=float, nargs="+", default=[0.3, 0.032])
     parser.add_argument("--tasks", nargs="+", default=["gsm8k", "mt_bench", "komt_bench"])
     args = parser.parse_args(argv)
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        parser.error("--prompts and --max-new-tokens must be >= 1")
+    try:  # bad K, p_drop or draft length: a clean message before the model loads
+        configs = methods(args.draft_len, args.p_drop, args.k)
+    except ConfigError as err:
+        parser.error(str(err))
 
     pair = load_pair("gemma-3-270m")
-    decoders = {name: Decoder(pair, config) for name, config in methods(args.draft_len, args.p_drop, args.k).items()}
+    decoders = {name: Decoder(pair, config) for name, config in configs.items()}
     print(f"# EAGLE-3 + DropMatch vs EAGLE-3 alone, Gemma-3-270M, greedy, L = {args.draft_len}, K = {args.k}, "
           f"{args.prompts} prompts x {args.max_new_tokens} new tokens per task; {machine_line()}")
     rows = []

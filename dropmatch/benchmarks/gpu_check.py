@@ -80,11 +80,11 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
 
 
 def cuda_matches_cpu(pair: ModelPair | None = None, prompt: list[int] | None = None,
-                     max_new_tokens: int = 32) -> bool | None:
+                     max_new_tokens: int = 32, device: torch.device | str = "cuda") -> bool | None:
     """Whether the CUDA path emits the CPU path's tokens (float32 models and heads) for greedy SD and
     for DropMatch at p_drop = 0, which is standard verification on any device (at p_drop > 0 the masks,
     drawn on each device's own generator, differ by device); None without CUDA. ``pair`` defaults to
-    the tiny random pair, loaded on the CPU and then moved to CUDA."""
+    the tiny random pair, loaded on the CPU and then moved to ``device``."""
     if not torch.cuda.is_available():
         return None
     from ..methods import Decoder, MethodConfig
@@ -94,8 +94,8 @@ def cuda_matches_cpu(pair: ModelPair | None = None, prompt: list[int] | None = N
     prompt = pair.encode("Speculative decoding on two devices") if prompt is None else prompt
     configs = (MethodConfig("sd"), MethodConfig("dropmatch", p_drop=0.0, head_dtype="float32"))
     cpu = [Decoder(pair, c).generate(prompt, max_new_tokens).token_ids for c in configs]
-    pair.target.model.cuda()
-    pair.draft.model.cuda()
+    pair.target.model.to(device)
+    pair.draft.model.to(device)
     gpu = [Decoder(pair, c).generate(prompt, max_new_tokens).token_ids for c in configs]
     return gpu == cpu
 
@@ -259,17 +259,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="a reduced shape (for CPU smoke runs)")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per quantity (>= 1)")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="print the torch profiler's top ROWS ops of the DropMatch rule step")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     device = torch.device(args.device)
     shapes = {"small": SMALL} if args.small else {"llama-3.1-8b": Shape(), "gemma-3-270m": GEMMA_270M}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    print(f"# DropMatch device check on {device} ({name}{machine_line()}); shapes {shapes}")
-    same = cuda_matches_cpu()
+    print(f"# DropMatch device check on {device} ({name + '; ' if name else ''}{machine_line()}); shapes {shapes}")
+    same = cuda_matches_cpu(device=device) if device.type == "cuda" else None
     print(f"CUDA tokens equal CPU tokens (tiny pair, SD and DropMatch at p_drop 0, float32 heads): "
-          f"{'n/a (no CUDA)' if same is None else same}")
+          f"{same if same is not None else 'n/a (no CUDA)' if not torch.cuda.is_available() else 'n/a (not run on CUDA)'}")
     from ..models import load_pair
 
     bf16 = load_pair("tiny", device=device, dtype="bfloat16")
