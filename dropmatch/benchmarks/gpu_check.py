@@ -11,7 +11,7 @@
    8B; their weight matrices applied in sequence; attention over 6 tokens is negligible) plus embedding
    lookup and head, and also estimated as the bf16 weights (~16 GB for 8B) over the memory bandwidth
    measured by a copy.
-   The paper reports 1.64 % (Table 4, 70B on A100s). Mask generation (on the device) is timed with
+   The paper reports 1.64 % (Table 4, 70B; hardware not stated). Mask generation (on the device) is timed with
    the heads; the path (sparse dropped columns or dense GEMM) follows DropoutHead's cost rule.
    Beside it, the engine's own rule on one greedy verify step (:func:`rule_overhead`: the standard rule
    against RelaxedVerification + DropMatch, lazy and certified, one evaluated position), the cost of

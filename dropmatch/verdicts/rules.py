@@ -138,7 +138,7 @@ def verdict(claim: Claim, m: Measurement, width: float) -> tuple[str, str]:
     if claim.p_drop is not None and m.p_drop is not None:
         ratio = noise_ratio(m.p_drop, claim, width)
         if not _within(ratio, NOISE_RATIO_TOLERANCE):
-            regime = (f"at p_drop={m.p_drop:g} our relative logit noise is {ratio:.3g}x the paper's at "
+            regime = (f"at p_drop={m.p_drop:g} our relative logit-noise variance is {ratio:.3g}x the paper's at "
                       f"{claim.p_drop:g} (tolerance {NOISE_RATIO_TOLERANCE:g}x); see the equal-noise row")
     if claim.scale_bound and not _within(width / claim.width, WIDTH_RATIO_TOLERANCE):
         regime = "; ".join(filter(None, [regime, f"size-bound result: our target is {width / claim.width:.3g}x "
