@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from dropmatch import hub
 from dropmatch.models import ByteTokenizer, CausalLM, ModelPair, load_pair, tiny_pair
 
 
@@ -70,3 +71,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub: HF_HUB_OFFLINE set and the cached reachability probe cleared around the test."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub._probe.cache_clear()
+    yield
+    hub._probe.cache_clear()

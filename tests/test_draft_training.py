@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dropmatch import draft_training as dt
-from dropmatch import hub
 from dropmatch.draft_training import TrainConfig, train_draft, training_documents
 from dropmatch.errors import ConfigError, DataError
 from dropmatch.models import load_pair
@@ -75,14 +74,6 @@ def test_too_little_text_is_a_data_error_before_any_labelling(tmp_path, monkeypa
 
 def test_two_sequences_are_enough_to_train(tmp_path):
     assert train_draft(load_pair("tiny"), tiny_config(tmp_path), ["x" * 62])["data"]["sequences_used"] == 2
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hub._probe.cache_clear()
-    yield
-    hub._probe.cache_clear()
 
 
 def fake_training_data(root: Path, monkeypatch, gsm8k: list[dict], mmlu_header: str) -> None:

@@ -22,14 +22,6 @@ COUNTS = {"gsm8k": 1319, "mmlu": 14042, "humaneval": 164, "ifeval": 541, "mt_ben
           "klue_nli": 3000, "kullm": 252}
 
 
-@pytest.fixture
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hub._probe.cache_clear()
-    yield
-    hub._probe.cache_clear()
-
-
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
