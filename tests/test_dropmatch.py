@@ -50,7 +50,7 @@ def test_p_drop_zero_equals_greedy_sd(tiny, criterion):
         out = dm.generate(prompt, max_new_tokens=40, seed=seed)
         assert out.token_ids == sd.token_ids
         sd_stats, dm_stats = _comparable(sd.stats), _comparable(out.stats)
-        assert dm_stats.pop("criterion_evaluations") > 0  # the heads really ran
+        assert dm_stats.pop("criterion_evaluations") > 0  # the criterion was asked
         sd_stats.pop("criterion_evaluations")
         assert dm_stats == sd_stats and out.stats.extra_accepts == 0
 
@@ -63,6 +63,35 @@ def test_p_drop_zero_heads_equal_clean_logits():
     head = DropoutHead(weight, k=4, p_drop=0.0)
     logits = head.logits(hidden, clean, head.draw_masks(3, g))
     assert torch.equal(logits, clean.unsqueeze(1).expand(-1, 4, -1))
+
+
+@pytest.mark.parametrize("criterion", CRITERIA)
+def test_p_drop_zero_rejects_near_ties_as_standard_verification_does(criterion):
+    """Drafts within 1e-3..1e-7 nats of the target's top token, whose row nearly ties the top row: at
+    p_drop = 0 standard verification rejects them, and so must DropMatch on every head path. Computed
+    heads put float32 noise (~1e-8 nats) into the centroid and the JS sums, which accepted such drafts."""
+    from dropmatch.rules import RelaxedVerification, StandardVerification, VerifyInput
+
+    paths = [dict(sparse=True, compute_dtype=torch.float32), dict(sparse=False, compute_dtype=torch.float32),
+             dict(exact_rows=True), dict(sparse=False, compute_dtype=torch.bfloat16)]
+    for trial in range(30):
+        g = torch.Generator().manual_seed(trial)
+        weight = torch.randn(300, 32, generator=g)
+        hidden = torch.randn(2, 32, generator=g) * 3
+        top = int((hidden[0] @ weight.T).argmax())
+        draft = (top + 1) % 300
+        weight[draft] = weight[top] * (1 - 10.0 ** (-(trial % 7) - 1))  # a near tie
+        clean = hidden @ weight.T
+        top = int(clean[0].argmax())
+        draft_logits = clean[:1].clone()
+        draft_logits[0, draft] = clean[0, top] + 10.0 ** (-(trial % 5) - 3)  # the draft's top, barely
+        inp = VerifyInput(torch.tensor([draft]), None, clean, hidden, GREEDY, torch.Generator().manual_seed(1),
+                          draft_logits)
+        standard = StandardVerification().verify(inp)
+        for path in paths:
+            rule = RelaxedVerification(DropMatch(DropoutHead(weight, k=5, p_drop=0.0, **path), criterion))
+            verdict = rule.verify(inp)
+            assert (verdict.n_accepted, verdict.next_token) == (standard.n_accepted, standard.next_token), (trial, path)
 
 
 def test_dropout_head_matches_definition():

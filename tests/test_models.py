@@ -167,6 +167,19 @@ def test_forced_screened_head_keeps_sd_equal_to_ar(tiny):
             assert sd == ar
 
 
+def test_screened_head_breaks_exact_ties_as_argmax_does_whatever_else_it_recomputes():
+    """Tokens 3 and 97 have the same row, so the same logit: the argmax is 3, the first, however many
+    other tokens are recomputed beside them (a float32 product over the gathered rows rounded them by
+    their place in the set: 97 won with refine margin 0)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(100, 640, generator=g) * 1e-3
+    hidden = torch.randn(1, 640, generator=g) * 1e3
+    weight[97] = weight[3] = torch.randn(640, generator=g) * 0.05
+    for margin in (0.0, 0.5, 4.0, 1e4):
+        logits = ScreenedHead(weight, refine_margin=margin)(hidden.clone())
+        assert logits[0, 3] == logits[0, 97] and int(logits.argmax(-1)) == 3, margin
+
+
 def test_screened_head_fallback_is_exact_float32():
     """Rows with more candidates than ``max_refined`` are recomputed fully in float32: exact values
     on every token of those rows (the screened path leaves the unlikely ones in bfloat16)."""

@@ -6,7 +6,8 @@ with L + 1 = 6 rows runs at a fraction of the memory bandwidth on this CPU while
 bounds the error of each one rigorously, and recomputes in float32 every token that could be the
 maximum (and every token within ``refine_margin`` nats of it), so that
 
-* the argmax equals the float32 argmax (greedy verification stays exact), and
+* the argmax equals the float32 argmax (greedy verification stays exact; the recomputed values are
+  rounded once from float64, so they do not depend on which other tokens are recomputed), and
 * the most likely tokens carry float32 values; the others are off by at most their bound
   (bfloat16 rounding, ~0.4 % of |W_v| |h|), which does not move probabilities that matter.
 
@@ -87,5 +88,13 @@ class ScreenedHead:
             if tokens.numel() > self.max_refined:
                 approx[row] = F.linear(hidden[row].float(), self.weight)
             else:
-                approx[row, tokens] = F.linear(hidden[row].float(), self.weight[tokens])
+                approx[row, tokens] = refined_logits(hidden[row], self.weight, tokens)
         return approx if extra is None else (approx, extra_products)
+
+
+def refined_logits(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``hidden`` (d,) times the rows ``tokens`` of ``weight`` (V, d): (len(tokens),) float32, each the
+    float64 dot product rounded once. A float32 product over a gathered subset rounds a token's value by
+    its place in the subset (a GEMV treats the last rows apart), so two equal rows could come out 1 ulp
+    apart and the refined set, which differs between a 1-row and a 6-row step, could flip a tie."""
+    return F.linear(hidden.double(), weight[tokens].double()).float()

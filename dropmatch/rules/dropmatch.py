@@ -425,6 +425,8 @@ class DropMatch:
         return (uniforms[: inp.n_draft] * inp.draft_token_probs()).tolist()
 
     def prepare(self, inp: VerifyInput) -> PositionTest:
+        if self.head.p_drop == 0:
+            return self._standard
         masks = self.draw(inp)
         thresholds = self._vote_thresholds(inp)
         heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -471,6 +473,14 @@ class DropMatch:
                           self.majority, threshold, inp.draft_logits_at(j))
 
         return test
+
+    def _standard(self, j: int) -> bool:
+        """The test at p_drop = 0: every head is the target, so the JS radius is 0 and every vote the
+        target's; nothing standard verification rejects is accepted. (Computed, the centroid of K equal
+        rows and the JS sums carry float32 noise of ~1e-8 nats, which accepted drafts within ~1e-4 nats of
+        the target, and a tie rounded two ways could swing the votes.)"""
+        self.counters.evaluations += 1
+        return False
 
     def _certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, q: torch.Tensor,
                    inp: VerifyInput, masks: torch.Tensor, threshold: float | None,
