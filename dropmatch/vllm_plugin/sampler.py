@@ -100,15 +100,14 @@ def relax_step(ctx: VerifyContext, output: torch.Tensor, draft_token_ids: torch.
     hidden = ctx.sample_hidden_states[ctx.target_logits_indices]  # (N, d)
 
     def accept(flat: list[int]) -> list[bool]:
+        if config.p_drop == 0:  # every head is the target: the JS radius is 0 and every vote vLLM's own, so
+            return [False] * len(flat)  # nothing it rejected is accepted (computed heads carry float32 noise)
         index = torch.tensor(flat, device=hidden.device)
         processed = target_logits[index].float()
-        if config.p_drop == 0:  # every head is the target: its very logits, not a recomputation that a near-tie
-            heads = processed.unsqueeze(1).expand(-1, config.k, -1)  # could break otherwise (batch-shape rounding)
-        else:
-            seeds = [position_seed(config.seed, keys[row_of[f]], ctx.first_positions[row_of[f]] + f - starts[row_of[f]])
-                     for f in flat]
-            masks = draw_masks(seeds, config.k, hidden.shape[-1], config.p_drop, hidden.device)
-            heads = dropout_head_logits(ctx.compute_logits, hidden[index], masks, config.p_drop)
+        seeds = [position_seed(config.seed, keys[row_of[f]], ctx.first_positions[row_of[f]] + f - starts[row_of[f]])
+                 for f in flat]
+        masks = draw_masks(seeds, config.k, hidden.shape[-1], config.p_drop, hidden.device)
+        heads = dropout_head_logits(ctx.compute_logits, hidden[index], masks, config.p_drop)
         vocab = min(heads.shape[-1], processed.shape[-1])
         # tokens vLLM's logits processors forbid (bad words, min_tokens, allowed ids) stay forbidden
         heads = heads[..., :vocab].masked_fill((processed[:, :vocab] == float("-inf")).unsqueeze(1), float("-inf"))

@@ -160,6 +160,20 @@ def test_relax_step_accepts_through_the_criterion_and_counts():
     ctx = _context(3, DropMatchVllmConfig(k=3, p_drop=0.0, criterion="naive"))
     assert relax_step(ctx, out, drafts, [2], None, target_logits, torch.tensor([[7]]), greedy) is out
     assert ctx.state.stats.positions_tested == 1 and ctx.state.stats.extra_accepted == 0
+    # p_drop = 0 with JS: a draft whose top two are the target's, swapped by 1e-3..1e-5 nats, is not accepted
+    # (K equal heads' centroid and the JS sums carried float32 noise that accepted such drafts)
+    for trial in range(40):
+        g = torch.Generator().manual_seed(trial)
+        near = torch.randn(2, 300, generator=g) * 3
+        top, second = near[0].topk(2).indices.tolist()
+        gap = 10.0 ** (-(trial % 3) - 3)
+        near[:, second] = near[:, top] - gap
+        draft_logits = near.clone()
+        draft_logits[:, second] = near[:, top] + gap
+        out_near = torch.tensor([[top, P, P]], dtype=torch.int32)
+        ctx = _context(3, DropMatchVllmConfig(k=5, p_drop=0.0, criterion="js"))
+        assert relax_step(ctx, out_near, torch.tensor([second, second]), [2], torch.softmax(draft_logits, -1), near,
+                          torch.tensor([[7]]), greedy) is out_near, trial
     # a draft token vLLM's logits processors forbid (-inf) is never accepted
     target_logits[1, 3] = float("-inf")
     ctx = _context(3, DropMatchVllmConfig(k=3, p_drop=0.3, criterion="naive"))
