@@ -179,7 +179,7 @@ def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None
     dtype = _dtype(head_dtype, target.device) if head_dtype else default_head_dtype(target.head_weight)
     head = DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
                        weight_in_compute_dtype=target.head_weight_as(dtype))
-    if head_dtype and (head.exact_rows or head.compute_dtype != dtype):
+    if head_dtype and (head.weight.dtype if head.exact_rows else head.compute_dtype) != dtype:
         warnings.warn(f"--head-dtype {head_dtype} does not apply here: a CPU float32 head computes its dropout "
                       "heads exactly in float32 (the method's label still names the dtype)", stacklevel=2)
     return head

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -391,3 +392,7 @@ def test_a_head_dtype_that_does_not_apply_is_said():
     tiny = load_pair("tiny")
     with pytest.warns(UserWarning, match="does not apply"):
         Decoder(tiny, MethodConfig("dropmatch", p_drop=0.032, head_dtype="bfloat16"))
+    with warnings.catch_warnings():  # float32 asked, float32 computed (exact rows at p 0.3, sparse at 0.032)
+        warnings.simplefilter("error")
+        for p_drop in (0.3, 0.032):
+            Decoder(tiny, MethodConfig("dropmatch", p_drop=p_drop, head_dtype="float32"))
