@@ -28,7 +28,15 @@ from .methods import Decoder, MethodConfig
 from .models import ModelPair, load_pair
 from .runner import GreedyReference, append_result, read_results, run_task
 from .stopping import StopOnText
-from .summarize import agreement, bootstrap_ci, compare_runs, pooled_ratio_ci, summarize_run, with_ci
+from .summarize import (
+    agreement,
+    bootstrap_ci,
+    compare_runs,
+    pooled_ratio,
+    pooled_ratio_ci,
+    summarize_run,
+    with_ci,
+)
 from .tasks import Example, cut_output, generation_defaults, score
 from .tasks.llm_judge import PROMPT_FILES, JudgeEndpoint
 
@@ -130,16 +138,11 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
         drafted = [sum(s["drafted_per_step"]) for s in stats]
         verify_ms = [1000 * s["verify_s"] for s in stats]
         steps = [len(s["accepted_per_step"]) for s in stats]
-        with_ci(row, "draft_acceptance", _ratio(sum(accepted), sum(drafted)), pooled_ratio_ci(accepted, drafted))
-        with_ci(row, "verify_ms_per_step", _ratio(sum(verify_ms), sum(steps)), pooled_ratio_ci(verify_ms, steps))
-        row["extra_accepts_per_step"] = _ratio(sum(s["extra_accepts"] for s in stats), sum(steps))
+        with_ci(row, "draft_acceptance", pooled_ratio(accepted, drafted), pooled_ratio_ci(accepted, drafted))
+        with_ci(row, "verify_ms_per_step", pooled_ratio(verify_ms, steps), pooled_ratio_ci(verify_ms, steps))
+        row["extra_accepts_per_step"] = pooled_ratio([s["extra_accepts"] for s in stats], steps)
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def _ratio(num: float, den: float) -> float:
-    """``num / den``, nan where ``den`` is 0 (a share of nothing is undefined, not 0)."""
-    return num / den if den else float("nan")
 
 
 def run_cells(pair: ModelPair, task: str, cells: Mapping[str, tuple[MethodConfig, int | None]],
@@ -260,7 +263,7 @@ def acceptance_sweep(pair: ModelPair, examples: Sequence[Example], p_values: Seq
         row = {"p_drop": p, "criterion": criterion, "n": len(g), "positions": int(g.positions.sum())}
         with_ci(row, "exact_match_rate", g.exact.sum() / g.positions.sum(), pooled_ratio_ci(g.exact, g.positions))
         with_ci(row, "acceptance_rate", g.accepted.sum() / g.positions.sum(), pooled_ratio_ci(g.accepted, g.positions))
-        with_ci(row, "outside_top5_share", _ratio(g.outside.sum(), g.accepted_mismatches.sum()),
+        with_ci(row, "outside_top5_share", pooled_ratio(g.outside, g.accepted_mismatches),
                 pooled_ratio_ci(g.outside, g.accepted_mismatches))
         out.append(row)
     return pd.DataFrame(out)

@@ -188,12 +188,12 @@ def summarize_run(task: str, method: str, rs: Sequence[dict]) -> dict:
                          f"the records have {sorted(rs[0]['score'])}")
     low, high = bootstrap_ci(scores)
     row = {"task": task, "method": method, "n": len(rs)}
-    with_ci(row, "tau", _pooled_ratio(x["new"], x["calls"]), pooled_ratio_ci(x["new"], x["calls"]))
-    with_ci(row, "paper_tau", _pooled_ratio(x["decode_tokens"], x["decode_steps"]),
+    with_ci(row, "tau", pooled_ratio(x["new"], x["calls"]), pooled_ratio_ci(x["new"], x["calls"]))
+    with_ci(row, "paper_tau", pooled_ratio(x["decode_tokens"], x["decode_steps"]),
             pooled_ratio_ci(x["decode_tokens"], x["decode_steps"]))
     with_ci(row, "tokens/s", float(np.mean(x["tokens_per_s"])), bootstrap_ci(x["tokens_per_s"]))
-    row["tokens/s pooled"] = _pooled_ratio(x["new"], x["wall"])
-    with_ci(row, "decode tokens/s", _pooled_ratio(x["decode_tokens"], x["decode_s"]),
+    row["tokens/s pooled"] = pooled_ratio(x["new"], x["wall"])
+    with_ci(row, "decode tokens/s", pooled_ratio(x["decode_tokens"], x["decode_s"]),
             pooled_ratio_ci(x["decode_tokens"], x["decode_s"]))
     row["score"] = key
     with_ci(row, "mean", float(np.mean(scores)) if scores else float("nan"), (low, high))
@@ -225,12 +225,12 @@ def compare_runs(records: Sequence[dict], base_records: Sequence[dict]) -> dict[
     timed = x["decode_s"].sum() > 0 and y["decode_s"].sum() > 0  # older records: no times, mean tokens/s
     num, den = ("decode_tokens", "decode_s") if timed else ("tokens_per_s", None)
     speed = [x[num], x[den] if den else ones, y[num], y[den] if den else ones]
-    with_ci(row, "speedup", _ratio(_pooled_ratio(*speed[:2]), _pooled_ratio(*speed[2:])), paired_ratio_ci(*speed))
+    with_ci(row, "speedup", _ratio(pooled_ratio(*speed[:2]), pooled_ratio(*speed[2:])), paired_ratio_ci(*speed))
     e2e = [x["new"], x["wall"], y["new"], y["wall"]]
-    with_ci(row, "speedup e2e", _ratio(_pooled_ratio(*e2e[:2]), _pooled_ratio(*e2e[2:])), paired_ratio_ci(*e2e))
+    with_ci(row, "speedup e2e", _ratio(pooled_ratio(*e2e[:2]), pooled_ratio(*e2e[2:])), paired_ratio_ci(*e2e))
     tau = [x["decode_tokens"], x["decode_steps"], y["decode_tokens"], y["decode_steps"]]
     low, high = paired_ratio_ci(*tau)
-    with_ci(row, "tau_gain", _ratio(_pooled_ratio(*tau[:2]), _pooled_ratio(*tau[2:])) - 1, (low - 1, high - 1))
+    with_ci(row, "tau_gain", _ratio(pooled_ratio(*tau[:2]), pooled_ratio(*tau[2:])) - 1, (low - 1, high - 1))
     return row
 
 
@@ -263,7 +263,8 @@ def _mean(values: np.ndarray) -> float:
     return float(values.mean()) if len(values) else float("nan")
 
 
-def _pooled_ratio(num: np.ndarray, den: np.ndarray) -> float:
+def pooled_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """sum(num) / sum(den), nan where the denominator is 0 (a share of nothing is undefined, not 0)."""
     return _ratio(float(np.sum(num)), float(np.sum(den)))
 
 
