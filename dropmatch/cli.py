@@ -68,7 +68,13 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     jg.add_argument("--judge", dest="judge_path", help="judge file from `python -m dropmatch judge train`")
     jg.add_argument("--judge-threshold", type=float, default=d.judge_threshold,
                     help="accept when P(important) is below this")
-    parser.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest n-gram for --draft ngram")
+    parser.add_argument("--ngram-max", type=int, default=d.ngram_max,
+                        help="longest n-gram for --draft ngram and --lookup-first")
+    parser.add_argument("--lookup-first", action="store_true",
+                        help="with a draft model or --draft eagle3: propose what followed the context's last n-gram "
+                             "where it occurred before (prompt lookup), the draft only where none did")
+    parser.add_argument("--lookup-min", type=int, default=d.lookup_min,
+                        help="with --lookup-first: the shortest n-gram that counts as a match")
 
 
 def method_config(args: argparse.Namespace) -> MethodConfig:
@@ -82,6 +88,7 @@ def method_config(args: argparse.Namespace) -> MethodConfig:
         head_dtype=args.head_dtype, topk=args.topk, typical_eps=args.typical_eps,
         typical_delta=args.typical_delta, divergence=args.divergence,
         divergence_threshold=args.divergence_threshold, ngram_max=args.ngram_max,
+        lookup_first=args.lookup_first, lookup_min=args.lookup_min,
         fly_entropy=args.fly_entropy, fly_window=args.fly_window, ensemble_weight=args.ensemble_weight,
         judge_path=args.judge_path, judge_threshold=args.judge_threshold,
     )

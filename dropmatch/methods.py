@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import Drafter, ModelDrafter, NgramDrafter, check_stop_below
+from .drafters import Drafter, LookupFirstDrafter, ModelDrafter, NgramDrafter, check_stop_below
 from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .heads import DropoutHead, check_dropout_args, default_head_dtype
@@ -59,7 +59,10 @@ LABEL_SHOWN: dict[str, tuple[str, ...]] = {
 
 EAGLE3_FIELDS = ("draft_head",)  # fields that only the EAGLE-3 drafter reads
 STOPPING_DRAFTERS = ("model", "eagle3")  # drafters that read draft_stop (a confidence stop needs a draft distribution)
-KEY_NEUTRAL = {"draft_stop": None}  # fields left out of MethodConfig.to_dict at these values
+FOLLOWING_DRAFTERS = ("model", "eagle3")  # drafters that lookup_first can fall back to
+LOOKUP_FIELDS = ("lookup_min",)  # fields that only lookup-first drafting reads
+# fields left out of MethodConfig.to_dict at these values (added later: older results keep their keys)
+KEY_NEUTRAL = {"draft_stop": None, "lookup_first": False, "lookup_min": 2}
 
 
 @dataclass
@@ -88,12 +91,16 @@ class MethodConfig:
     # trained judge (AutoJudge-style)
     judge_path: str | None = None
     judge_threshold: float = 0.1
-    # n-gram drafter
+    # n-gram drafter (and the lookup of lookup_first)
     ngram_max: int = 3
     # EAGLE-3 drafter: a head directory or hub id (None: the committed head of the embedded pair)
     draft_head: str | None = None
     # model and EAGLE-3 drafters: end a proposal after a draft token below this probability (None: always L tokens)
     draft_stop: float | None = None
+    # model and EAGLE-3 drafters: n-gram lookup first (n from ngram_max down to lookup_min), the drafter
+    # only where no such n-gram occurred before (LookupFirstDrafter)
+    lookup_first: bool = False
+    lookup_min: int = 2
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,6 +114,13 @@ class MethodConfig:
         if self.draft_stop is not None and self.draft not in STOPPING_DRAFTERS:
             raise ConfigError(f"--draft-stop needs a drafter with a distribution ({' or '.join(STOPPING_DRAFTERS)}), "
                               f"not {self.draft!r}")
+        if self.lookup_first and self.draft not in FOLLOWING_DRAFTERS:
+            raise ConfigError(f"--lookup-first puts n-gram lookup before a draft model or an EAGLE-3 head, not before "
+                              f"{self.draft!r}")
+        if self.lookup_min != KEY_NEUTRAL["lookup_min"] and not self.lookup_first:
+            raise ConfigError("--lookup-min sets the shortest match of --lookup-first: pass it with --lookup-first")
+        if not 1 <= self.lookup_min <= self.ngram_max:
+            raise ConfigError(f"--lookup-min must be in 1..--ngram-max ({self.ngram_max}), got {self.lookup_min}")
         if self.method.startswith("judge") and not self.judge_path:
             raise ConfigError("--method judge needs --judge PATH (train one with `python -m dropmatch judge train`)")
         if self.method == "fly" and self.fly_window > 0 and self.fly_window + 2 > self.draft_len:
@@ -151,7 +165,9 @@ class MethodConfig:
                 continue
             if f.name in FIELD_METHODS and self.method not in FIELD_METHODS[f.name]:
                 continue
-            if (f.name == "ngram_max" and self.draft != "ngram") or (f.name in EAGLE3_FIELDS and self.draft != "eagle3"):
+            if (f.name == "ngram_max" and self.draft != "ngram" and not self.lookup_first) \
+                    or (f.name in EAGLE3_FIELDS and self.draft != "eagle3") \
+                    or (f.name in LOOKUP_FIELDS and not self.lookup_first):
                 continue
             if f.name == "draft_head" and value is not None:
                 value = Path(value).name
@@ -220,10 +236,12 @@ def build_drafter(pair: ModelPair, config: MethodConfig) -> Drafter | None:
     if config.draft == "ngram":
         return NgramDrafter(max_ngram=config.ngram_max)
     if config.draft == "eagle3":
-        return _eagle3_drafter(pair, config.draft_head, config.draft_stop)
-    if pair.draft is None:
+        drafter = _eagle3_drafter(pair, config.draft_head, config.draft_stop)
+    elif pair.draft is None:
         raise ConfigError("this method needs a draft model: load the pair with a draft, or use --draft ngram")
-    return ModelDrafter(pair.draft, config.draft_stop)
+    else:
+        drafter = ModelDrafter(pair.draft, config.draft_stop)
+    return LookupFirstDrafter(drafter, config.ngram_max, config.lookup_min) if config.lookup_first else drafter
 
 
 _EAGLE3_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {source: head}

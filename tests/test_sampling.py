@@ -180,12 +180,14 @@ def _markov_law(p: torch.Tensor, first: int, n_tokens: int) -> torch.Tensor:
 
 
 def _pooled_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
-    """Chi-square p-value of ``counts`` against ``law``, cells with fewer than 5 expected pooled."""
+    """Chi-square p-value of ``counts`` against ``law``, cells with fewer than 5 expected pooled (into
+    one cell, if there are any)."""
     assert counts[law == 0].sum() == 0, "a token of probability zero was emitted"
     expected = law * counts.sum()
     keep = expected >= 5
-    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)]).double()
-    wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+    pooled = slice(None) if (~keep).any() else slice(0)  # no empty pooled cell (0 / 0 in the statistic)
+    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)[pooled]]).double()
+    wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)[pooled]])
     return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
 
 

@@ -1,4 +1,5 @@
-"""Acceptance of the drafts on the embedded pair: tau at draft length L per task, EAGLE-3 head vs int8 draft.
+"""Acceptance of the drafts on the embedded pair: tau at draft length L per task, EAGLE-3 head vs int8 draft,
+beside n-gram lookup alone and lookup first with the EAGLE-3 head where nothing matches.
 
     python -m dropmatch.benchmarks.draft_tau [--prompts 8] [--max-new-tokens 64] [--draft-len 5]
                                              [--tasks gsm8k humaneval mt_bench komt_bench] [--head DIR]
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..drafters import ModelDrafter
+from ..drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, load_head
 from ..engine import generate
 from ..models import load_pair
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> None:
 
     pair = load_pair("gemma-3-270m")
     head = load_head(args.head or committed_head(pair.name), pair.target)
-    drafters = {"EAGLE-3 head": lambda: Eagle3Drafter(head, pair.target), "int8 draft": lambda: ModelDrafter(pair.draft)}
+    drafters = {"EAGLE-3 head": lambda: Eagle3Drafter(head, pair.target), "int8 draft": lambda: ModelDrafter(pair.draft),
+                "n-gram lookup": NgramDrafter,
+                "lookup first, EAGLE-3 head": lambda: LookupFirstDrafter(Eagle3Drafter(head, pair.target))}
     pair.target.prepare()  # the screened head and its reorders, built before any clock starts
     warm = pair.encode("Question: 1 + 1?\nAnswer:")
     for factory in drafters.values():  # first-call costs out of the first task's timings

@@ -64,3 +64,13 @@ class FeatureDrafter(Protocol):
     these ``hidden_states`` indices (the input to decoder layer i) and passes them to ``start``/``commit``."""
 
     feature_layers: tuple[int, ...]
+
+
+@runtime_checkable
+class FollowingDrafter(Protocol):
+    """A drafter that can sit out a step while another one proposes (:class:`~dropmatch.drafters.lookup_first.LookupFirstDrafter`)
+    and still keep its state in step with the context."""
+
+    def follow(self, last_token: int, tokens: list[int]) -> None:
+        """Instead of ``propose``: another drafter proposed ``tokens`` after ``last_token``. The next
+        ``commit`` says how many of them the target kept (with their features, for a :class:`FeatureDrafter`)."""

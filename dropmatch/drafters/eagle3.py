@@ -585,6 +585,7 @@ class Eagle3Drafter:
         self._feats: torch.Tensor | None = None
         self._tokens: list[int] = []
         self._proposed: list[int] = []
+        self._following = False  # the last step's proposal came from another drafter (``follow``)
         self._rows = 0
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
@@ -593,7 +594,7 @@ class Eagle3Drafter:
             raise ConfigError("the EAGLE-3 drafter needs the target's features (use dropmatch.engine.generate)")
         self.cache = Eagle3Cache(self.head.config.sliding_window)
         self._feats, self._tokens = features, prompt_ids.view(-1)[1:].tolist()
-        self._proposed, self._rows = [], 0
+        self._proposed, self._following, self._rows = [], False, 0
 
     def _forward(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
         """Feed rows at positions start.. into the cache; return the last row's state (1, 1, d)."""
@@ -650,14 +651,26 @@ class Eagle3Drafter:
             return Draft(ids, logits=self._in_target_vocab(torch.stack(rows)).to(device))
         return Draft(ids, probs=torch.stack(rows).to(device))
 
+    def follow(self, last_token: int, tokens: list[int]) -> None:
+        """Another drafter proposes ``tokens`` this step: the head runs nothing. The rows waiting for
+        ``last_token`` get it, and ``commit`` queues the kept tokens' rows behind them, so the next
+        ``propose`` feeds them all in one forward."""
+        assert self._feats is not None and self._feats.shape[0] == len(self._tokens) + 1, "start/commit out of step"
+        self._tokens.append(last_token)
+        self._proposed, self._following = list(tokens), True
+
     def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
         """``features`` (n_accepted + 1, 3 d_t): target states at the verified newest token and the
         accepted draft tokens, in order."""
         if features is None:
             raise ConfigError("the EAGLE-3 drafter needs the target's features at commit")
-        self.cache.crop(self._rows)
-        self._feats, self._tokens = features, self._proposed[:n_accepted]
-        self._proposed = []
+        kept = self._proposed[:n_accepted]
+        if self._following:  # nothing was fed this step: the new rows queue behind the waiting ones
+            self._feats, self._tokens = torch.cat([self._feats, features]), self._tokens + kept
+        else:  # drop the rows fed with the head's own states; the kept tokens' rows wait for the next token
+            self.cache.crop(self._rows)
+            self._feats, self._tokens = features, kept
+        self._proposed, self._following = [], False
 
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"

@@ -38,6 +38,7 @@ class ModelDrafter:
         self.cache = None
         self._pending: list[int] = []
         self._proposed: list[int] = []
+        self._following = False  # the last step's proposal came from another drafter (``follow``)
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         if prompt_ids.numel() > self.model.max_positions:
@@ -46,7 +47,7 @@ class ModelDrafter:
                 f"{self.model.max_positions} tokens; shorten the prompt or use a draft with a longer context"
             )
         self.cache, _ = self.model.new_cache(rollback=True, prompt_ids=prompt_ids)
-        self._pending, self._proposed = [], []
+        self._pending, self._proposed, self._following = [], [], False
 
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         device = self.model.device
@@ -77,7 +78,17 @@ class ModelDrafter:
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         return Draft(ids, logits=stacked) if sampling.greedy else Draft(ids, probs=stacked)
 
+    def follow(self, last_token: int, tokens: list[int]) -> None:
+        """Another drafter proposes ``tokens`` this step: the draft runs nothing; ``last_token`` and then
+        the kept ones (``commit``) wait for the next ``propose``, which feeds them in one forward."""
+        self._pending = self._pending + [last_token]
+        self._proposed, self._following = list(tokens), True
+
     def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
+        if self._following:
+            self._pending += self._proposed[:n_accepted]
+            self._proposed, self._following = [], False
+            return
         n = len(self._proposed)
         if n == 0:
             return
