@@ -147,8 +147,8 @@ CHANGES = {"criterion": "naive", "majority": "plurality", "divergence": "kl", "d
 def test_configs_differing_in_one_field_that_matters_have_different_labels(method):
     base = MethodConfig(method)
     for f in dataclasses.fields(MethodConfig):
-        if f.name in ("method", "judge_path", "judge_threshold"):
-            continue
+        if f.name in ("method", "judge_path", "judge_threshold", "lookup_min"):  # lookup_min: only with lookup_first
+            continue  # (refused alone; its label is checked in test_label_names_ngram_max_with_the_ngram_drafter...)
         new = CHANGES.get(f.name, _changed(getattr(base, f.name)))
         assert new != getattr(base, f.name), f.name
         other = dataclasses.replace(base, **{f.name: new})
@@ -172,6 +172,8 @@ def _matters(method: str, name: str) -> bool:
 def test_label_names_ngram_max_with_the_ngram_drafter_and_judge_files(tmp_path):
     assert MethodConfig("sd", draft="ngram", ngram_max=4).label == "sd+ngram[ngram_max=4]@L5"
     assert MethodConfig("sd", draft="ngram").label == "sd+ngram@L5"
+    assert MethodConfig("sd", lookup_first=True, lookup_min=3).label == "sd[lookup_first,lookup_min=3]@L5"
+    assert MethodConfig("sd", lookup_first=True, ngram_max=4).label == "sd[ngram_max=4,lookup_first]@L5"
     assert MethodConfig("sd", draft="eagle3", draft_head="heads/h3").label == "sd+eagle3[draft_head=h3]@L5"
     assert MethodConfig("sd", draft="eagle3").label == "sd+eagle3@L5"
     a = MethodConfig("judge", judge_path=str(tmp_path / "a.joblib")).label
