@@ -261,8 +261,8 @@ def acceptance_sweep(pair: ModelPair, examples: Sequence[Example], p_values: Seq
     out = []
     for (p, criterion), g in table.groupby(["p_drop", "criterion"]):
         row = {"p_drop": p, "criterion": criterion, "n": len(g), "positions": int(g.positions.sum())}
-        with_ci(row, "exact_match_rate", g.exact.sum() / g.positions.sum(), pooled_ratio_ci(g.exact, g.positions))
-        with_ci(row, "acceptance_rate", g.accepted.sum() / g.positions.sum(), pooled_ratio_ci(g.accepted, g.positions))
+        with_ci(row, "exact_match_rate", pooled_ratio(g.exact, g.positions), pooled_ratio_ci(g.exact, g.positions))
+        with_ci(row, "acceptance_rate", pooled_ratio(g.accepted, g.positions), pooled_ratio_ci(g.accepted, g.positions))
         with_ci(row, "outside_top5_share", pooled_ratio(g.outside, g.accepted_mismatches),
                 pooled_ratio_ci(g.outside, g.accepted_mismatches))
         out.append(row)

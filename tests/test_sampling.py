@@ -185,9 +185,11 @@ def _pooled_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
     assert counts[law == 0].sum() == 0, "a token of probability zero was emitted"
     expected = law * counts.sum()
     keep = expected >= 5
-    pooled = slice(None) if (~keep).any() else slice(0)  # no empty pooled cell (0 / 0 in the statistic)
-    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)[pooled]]).double()
-    wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)[pooled]])
+    observed, wanted = [counts[keep]], [expected[keep]]
+    if (~keep).any():  # no empty pooled cell: it would put 0 / 0 in the statistic
+        observed.append(counts[~keep].sum().view(1))
+        wanted.append(expected[~keep].sum().view(1))
+    observed, wanted = torch.cat(observed).double(), torch.cat(wanted)
     return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
 
 

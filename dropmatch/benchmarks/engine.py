@@ -99,10 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         eagle3 = load_head(head_dir, pair.target)
         methods[eagle3_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target), L)
         methods[eagle3_stop_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target, args.draft_stop), L)
-        L8 = args.lookup_len
-        methods[f"ours SD (n-gram, bigram or longer, L={L8})"] = _our_runner(pair, lambda: NgramDrafter(min_ngram=2), L8)
-        methods[f"ours SD (lookup-first + EAGLE-3, L<={L8}, stop below p={args.draft_stop:g})"] = _our_runner(
-            pair, lambda: LookupFirstDrafter(Eagle3Drafter(eagle3, pair.target, args.draft_stop)), L8)
+        lookup_len = args.lookup_len
+        methods[f"ours SD (n-gram, bigram or longer, L={lookup_len})"] = _our_runner(
+            pair, lambda: NgramDrafter(min_ngram=2), lookup_len)
+        methods[f"ours SD (lookup-first + EAGLE-3, L<={lookup_len}, stop below p={args.draft_stop:g})"] = _our_runner(
+            pair, lambda: LookupFirstDrafter(Eagle3Drafter(eagle3, pair.target, args.draft_stop)), lookup_len)
     if args.only:
         methods = {k: v for k, v in methods.items() if k == "HF generate (plain)" or any(s in k for s in args.only)}
     prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
@@ -138,9 +139,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.max_new_tokens} new tokens, greedy; {machine_line()}")
     print(format_table(rows, ["method", *SPEED_COLUMNS, "vs HF plain", "vs HF assisted", "vs ours AR",
                               "decode vs HF plain", "decode vs ours AR", "identical to greedy"]))
-    for row in (name for name in totals if name.startswith("ours SD")):
-        if row in totals and not totals[row].identical:
-            raise SystemExit(f"{row}: output differs from greedy decoding")
+    for name, t in totals.items():
+        if name.startswith("ours SD") and not t.identical:
+            raise SystemExit(f"{name}: output differs from greedy decoding")
 
 
 if __name__ == "__main__":

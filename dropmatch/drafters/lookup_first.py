@@ -15,7 +15,7 @@ import torch
 from ..errors import ConfigError
 from ..sampling import SamplingConfig
 from .base import Draft, Drafter, FeatureDrafter, FollowingDrafter
-from .ngram import lookup
+from .ngram import check_ngram_sizes, lookup
 
 
 class LookupFirstDrafter:
@@ -31,8 +31,7 @@ class LookupFirstDrafter:
         if not isinstance(drafter, FollowingDrafter):
             raise ConfigError(f"lookup-first drafting needs a drafter that can follow another's proposals "
                               f"(model or eagle3), not {getattr(drafter, 'name', type(drafter).__name__)!r}")
-        if not 1 <= min_match <= max_ngram:
-            raise ConfigError(f"lookup-first needs 1 <= min match <= longest n-gram, got {min_match}, {max_ngram}")
+        check_ngram_sizes(min_match, max_ngram)
         self.drafter, self.max_ngram, self.min_match = drafter, max_ngram, min_match
         self.name = f"ngram+{drafter.name}"
         if isinstance(drafter, FeatureDrafter):  # the engine then computes the features the drafter reads

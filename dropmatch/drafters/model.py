@@ -81,7 +81,7 @@ class ModelDrafter:
     def follow(self, last_token: int, tokens: list[int]) -> None:
         """Another drafter proposes ``tokens`` this step: the draft runs nothing; ``last_token`` and then
         the kept ones (``commit``) wait for the next ``propose``, which feeds them in one forward."""
-        self._pending = self._pending + [last_token]
+        self._pending.append(last_token)
         self._proposed, self._following = list(tokens), True
 
     def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:

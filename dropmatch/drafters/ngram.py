@@ -20,8 +20,7 @@ class NgramDrafter:
     name = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, earliest: bool = False):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        check_ngram_sizes(min_ngram, max_ngram)
         self.max_ngram, self.min_ngram, self.earliest = max_ngram, min_ngram, earliest
         self.context: list[int] = []
         self._proposed: list[int] = []
@@ -40,6 +39,12 @@ class NgramDrafter:
 
     def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
         self.context.extend(self._proposed[:n_accepted])
+
+
+def check_ngram_sizes(min_ngram: int, max_ngram: int) -> None:
+    """Refuse n-gram sizes outside 1 <= ``min_ngram`` <= ``max_ngram``."""
+    if not 1 <= min_ngram <= max_ngram:
+        raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
 
 
 def lookup(context: Sequence[int], n: int, max_ngram: int, min_ngram: int = 1, earliest: bool = False) -> list[int]:
