@@ -77,6 +77,14 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
                         help="with --lookup-first: the shortest n-gram that counts as a match")
 
 
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    """The decoding's sampling settings; ``--top-p`` without a temperature is refused (greedy decoding
+    takes the argmax, so it would change nothing)."""
+    if args.temperature == 0 and args.top_p < 1:
+        raise ConfigError("--top-p filters sampled tokens: pass --temperature > 0 with it (temperature 0 is greedy)")
+    return SamplingConfig(args.temperature, args.top_p)
+
+
 def method_config(args: argparse.Namespace) -> MethodConfig:
     if getattr(args, "draft_head", None) and args.draft != "eagle3":
         raise ConfigError("--draft-head names an EAGLE-3 head: pass it with --draft eagle3")
@@ -113,7 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise DropMatchError("pass exactly one of --prompt TEXT or --prompt-file FILE")
     prompt = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "prompt")
     config = method_config(args)
-    sampling = SamplingConfig(args.temperature, args.top_p)
+    sampling = sampling_config(args)
     decoder = Decoder(pair_from_args(args, config), config, sampling)
     result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed)
     text = decoder.pair.decode(result.token_ids)
@@ -179,7 +187,7 @@ def read_prompts(path: str) -> list[str]:
 def cmd_fidelity(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)  # before the models load: a bad file fails at once
     config = method_config(args)
-    decoder = Decoder(pair_from_args(args, config), config, SamplingConfig(args.temperature, args.top_p))
+    decoder = Decoder(pair_from_args(args, config), config, sampling_config(args))
     outputs = [decoder.generate(p, max_new_tokens=args.max_new_tokens, seed=args.seed).token_ids for p in prompts]
     items = fidelity_of(decoder, prompts, outputs, args.max_new_tokens)
     print(json.dumps({"method": config.label, **summarize_fidelity(items), "per_prompt": [f.to_dict() for f in items]}))
@@ -195,7 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if judge is not None:  # before the models load: a wrong task, URL or key fails at once
         load_judge_prompts(args.task, args.data_dir)
         judge.check()
-    decoder = Decoder(pair_from_args(args, config), config, SamplingConfig(args.temperature, args.top_p))
+    decoder = Decoder(pair_from_args(args, config), config, sampling_config(args))
     records = run_task(decoder, args.task, args.out, limit=args.limit, seed=args.seed,
                        max_new_tokens=args.max_new_tokens, fidelity=args.fidelity,
                        chat_template=args.chat_template, data_dir=args.data_dir, llm_judge=judge)

@@ -61,8 +61,8 @@ EAGLE3_FIELDS = ("draft_head",)  # fields that only the EAGLE-3 drafter reads
 STOPPING_DRAFTERS = ("model", "eagle3")  # drafters that read draft_stop (a confidence stop needs a draft distribution)
 FOLLOWING_DRAFTERS = ("model", "eagle3")  # drafters that lookup_first can fall back to
 LOOKUP_FIELDS = ("lookup_min",)  # fields that only lookup-first drafting reads
-# fields left out of MethodConfig.to_dict at these values (added later: older results keep their keys)
-KEY_NEUTRAL = {"draft_stop": None, "lookup_first": False, "lookup_min": 2}
+# fields left out of MethodConfig.to_dict at their defaults (added later: older results keep their keys)
+KEY_NEUTRAL = ("draft_stop", "lookup_first", "lookup_min")
 
 
 @dataclass
@@ -111,13 +111,21 @@ class MethodConfig:
         if self.draft_len < 1:
             raise ConfigError(f"draft length must be >= 1, got {self.draft_len}")
         check_stop_below(self.draft_stop)
+        if self.method == "ar":
+            drafting = [name for name, used in (("--draft " + self.draft, self.draft != "model"),
+                                                ("--draft-head", self.draft_head is not None),
+                                                ("--draft-stop", self.draft_stop is not None),
+                                                ("--lookup-first", self.lookup_first)) if used]
+            if drafting:
+                raise ConfigError(f"--method ar decodes without a draft: {', '.join(drafting)} needs a speculative "
+                                  "method (e.g. --method sd)")
         if self.draft_stop is not None and self.draft not in STOPPING_DRAFTERS:
             raise ConfigError(f"--draft-stop needs a drafter with a distribution ({' or '.join(STOPPING_DRAFTERS)}), "
                               f"not {self.draft!r}")
         if self.lookup_first and self.draft not in FOLLOWING_DRAFTERS:
             raise ConfigError(f"--lookup-first puts n-gram lookup before a draft model or an EAGLE-3 head, not before "
                               f"{self.draft!r}")
-        if self.lookup_min != KEY_NEUTRAL["lookup_min"] and not self.lookup_first:
+        if self.lookup_min != _default("lookup_min") and not self.lookup_first:
             raise ConfigError("--lookup-min sets the shortest match of --lookup-first: pass it with --lookup-first")
         if not 1 <= self.lookup_min <= self.ngram_max:
             raise ConfigError(f"--lookup-min must be in 1..--ngram-max ({self.ngram_max}), got {self.lookup_min}")
@@ -185,7 +193,12 @@ class MethodConfig:
         """All fields, except those added later at their default (``KEY_NEUTRAL``), so that the results of
         configurations that do not use them keep their keys (resumable caches stay valid)."""
         raw = asdict(self)
-        return {k: v for k, v in raw.items() if not (k in KEY_NEUTRAL and v == KEY_NEUTRAL[k])}
+        return {k: v for k, v in raw.items() if not (k in KEY_NEUTRAL and v == _default(k))}
+
+
+def _default(name: str):
+    """A :class:`MethodConfig` field's default value."""
+    return MethodConfig.__dataclass_fields__[name].default
 
 
 def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None = None) -> DropoutHead:

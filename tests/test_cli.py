@@ -49,6 +49,10 @@ def test_ngram_drafter_and_prompt_file(tmp_path):
     (["--draft", "some/model"], "--target"),
     (["--draft-head", "some/head"], "--draft eagle3"),  # was ignored
     (["--device-map", "auto"], "device_map applies to hub models"),  # was ignored
+    (["--top-p", "0.9"], "--temperature > 0"),  # was ignored: greedy takes the argmax
+    (["--method", "ar", "--draft", "ngram"], "--method ar decodes without a draft: --draft ngram"),  # was ignored
+    (["--method", "ar", "--draft", "eagle3", "--draft-head", "no/head"], "--draft eagle3, --draft-head"),
+    (["--method", "ar", "--lookup-first"], "--lookup-first needs a speculative method"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     out = run("generate", "--pair", "tiny", "--prompt", "hi", *args)

@@ -97,10 +97,12 @@ def test_greedy_sd_with_lookup_first_equals_ar(pair, fallback):
         assert drafter.lookup_steps > 0 and drafter.drafter_steps > 0
 
 
-def test_speculative_sampling_with_lookup_first_preserves_target_distribution():
+@pytest.mark.parametrize("fallback", ["eagle3", "model"])
+def test_speculative_sampling_with_lookup_first_preserves_target_distribution(fallback):
     """Tokens 2-3 (joint) and 4 of SD runs at L = 3 match plain sampling when one-hot lookup drafts and
-    EAGLE-3 drafts (with their distributions) alternate: the prompt repeats, so the first step always
-    looks up, and later steps look up or fall back depending on what was sampled (both counted)."""
+    the fallback's drafts (EAGLE-3 head or draft model, with their distributions) alternate: the prompt
+    repeats, so the first step always looks up, and later steps look up or fall back depending on what
+    was sampled (both counted)."""
     vocab = 10
     pair = make_tiny("llama", seed=5, vocab_size=vocab)
     target, sampling = pair.target, SamplingConfig(1.0)
@@ -108,12 +110,16 @@ def test_speculative_sampling_with_lookup_first_preserves_target_distribution():
     with torch.no_grad():
         likeliest = target.model(prompt[None]).logits[0, -1].topk(6).indices
     head = init_head(tiny_head_config(target, 6), target, likeliest, seed=7).eval().requires_grad_(False)
+
+    def fallback_drafter():
+        return Eagle3Drafter(head, target) if fallback == "eagle3" else ModelDrafter(pair.draft)
+
     joint = _exact_joint(target, prompt, vocab, sampling).flatten()
     t4 = _exact_t4_marginal(target, prompt, vocab, sampling)
     counts, counts4 = torch.zeros(vocab * vocab), torch.zeros(vocab)
     lookups = fallbacks = deep = 0
     for seed in range(1500):
-        drafter = LookupFirstDrafter(Eagle3Drafter(head, target), max_ngram=2, min_match=1)
+        drafter = LookupFirstDrafter(fallback_drafter(), max_ngram=2, min_match=1)
         out = generate(target, prompt, drafter=drafter, draft_len=3, max_new_tokens=5, sampling=sampling, seed=seed)
         counts[out.token_ids[1] * vocab + out.token_ids[2]] += 1
         counts4[out.token_ids[3]] += 1
