@@ -168,8 +168,7 @@ class MethodConfig:
         extras = []
         for f in fields(self):
             value = getattr(self, f.name)
-            default = f.default_factory() if f.default_factory is not MISSING else f.default
-            if f.name in ("method", "draft", "draft_len") or f.name in shown or value == default:
+            if f.name in ("method", "draft", "draft_len") or f.name in shown or value == _default(f.name):
                 continue
             if f.name in FIELD_METHODS and self.method not in FIELD_METHODS[f.name]:
                 continue
@@ -197,8 +196,9 @@ class MethodConfig:
 
 
 def _default(name: str):
-    """A :class:`MethodConfig` field's default value."""
-    return MethodConfig.__dataclass_fields__[name].default
+    """A :class:`MethodConfig` field's default value (a fresh one for fields with a default factory)."""
+    f = MethodConfig.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None = None) -> DropoutHead:
