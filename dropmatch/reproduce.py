@@ -72,7 +72,8 @@ PRESETS: dict[str, dict] = {
     # notebook 06's judge study): 5 prompts; the rest (K ablation, the p_drop sweep's other points, the
     # rivals, notebook 05's other tasks): 3. Budgets: each task's own with its stop strings, capped at
     # GSM8K 128, HumanEval 64, IFEval 48, KULLM 64, MT-bench / KoMT-bench 32 per turn, the dropout paths
-    # 32 (MMLU, KLUE-NLI: their own 4); 4 GSM8K train problems x 2 mismatches mined for the judge.
+    # 32 (MMLU, KLUE-NLI: their own 4); 12 GSM8K train problems x 2 mismatches mined for the judge (4 gave 8
+    # mismatches, all important, and a judge needs 2 of each class).
     #
     # Time on 2 cores, tokens = prompts x methods x budget (x 2 turns), at the measured ~11 tokens/s of
     # SD / SD + DM with the int8 draft and ~9 tokens/s of AR (the greedy references), every generation
@@ -84,9 +85,9 @@ PRESETS: dict[str, dict] = {
     #   other cells      GSM8K: 11 runs (K, sweep, rivals, judge) x 3-5 prompts x 128 = 4992 tok / 11 ~ 450 s;
     #                    Table 6's other tasks: 18 runs x 5 prompts = 3480 tok / 11 + references ~ 380 s;
     #                    notebook 05's other tasks ~ 150 s; notebook 06 on IFEval / KLUE-NLI ~ 80 s;
-    #                    80 dropout paths x 32 / 9 ~ 280 s; mining ~ 240 s; probe, head agreement,
-    #                    overhead ~ 190 s; 7 kernels + model loads ~ 210 s                       -> ~2000 s
-    #   total ~ 4900 s = 82 min. Not in those speeds: GSM8K's 8-shot prompt (~1350 tokens) costs ~3-4.5 s of
+    #                    80 dropout paths x 32 / 9 ~ 280 s; mining ~ 1600 s (~130 s a problem); probe, head agreement,
+    #                    overhead ~ 190 s; 7 kernels + model loads ~ 210 s                       -> ~3400 s
+    #   total ~ 6300 s = 105 min. Not in those speeds: GSM8K's 8-shot prompt (~1350 tokens) costs ~3-4.5 s of
     #   target (+ draft) prefill per generation (smoke-run records), up to ~17 min over the ~250 GSM8K
     #   generations (warm-ups included), partly offset by stop strings that end answers before the cap.
     #   Levers: n_headline (~1.5 min per prompt), the GSM8K cap (~3.5 min per 10 tokens).
