@@ -15,7 +15,7 @@ from .benchmarks.common import describe_model, machine_line
 from .errors import ConfigError
 from .paper import PAPER_SETUPS, TABLE2_AGREEMENT, TABLE4_OVERHEAD_PERCENT, TABLE10_KOMT, table6_for
 from .runner import read_results
-from .summarize import PRIMARY_SCORE, bootstrap_ci, paired_ratio_ci
+from .summarize import PRIMARY_SCORE, SCORE_RANGE, UNIT, bootstrap_ci, paired_ratio_ci
 from .tasks.metrics import answers_agree
 
 
@@ -242,12 +242,13 @@ def paired_ratio(pairs: Sequence[tuple[dict, dict]], kind: str) -> Estimate:
     return Estimate(float(value), lo, hi, len(pairs), f"paired bootstrap over {len(pairs)} prompts")
 
 
-def paired_mean(values: Sequence[float], what: str) -> Estimate:
-    """The mean of per-prompt values with its 95 % bootstrap interval."""
+def paired_mean(values: Sequence[float], what: str, bounds: tuple[float, float] | None = None) -> Estimate:
+    """The mean of per-prompt values with its 95 % bootstrap interval (``bounds``: the values' range, see
+    :func:`~dropmatch.summarize.bootstrap_ci`)."""
     values = np.asarray(values, dtype=float)
     if not len(values):
         return Estimate(float("nan"), n=0, source=f"no prompts with {what}")
-    lo, hi = bootstrap_ci(values)
+    lo, hi = bootstrap_ci(values, bounds=bounds)
     return Estimate(float(values.mean()), lo, hi, len(values), f"bootstrap over {len(values)} prompts ({what})")
 
 
@@ -262,7 +263,9 @@ def score_difference(pairs: Sequence[tuple[dict, dict]], key: str, scale: float 
     """Mean over prompts of score(a) - score(b) times ``scale`` (100: points of a 0-1 score)."""
     diffs = [scale * (x["score"][key] - y["score"][key]) for x, y in pairs
              if key in x.get("score", {}) and key in y.get("score", {})]
-    return paired_mean(diffs, f"{key} difference")
+    low, high = SCORE_RANGE.get(key, (float("nan"), float("nan")))
+    spread = scale * (high - low)
+    return paired_mean(diffs, f"{key} difference", bounds=(-spread, spread) if key in SCORE_RANGE else None)
 
 
 def _agree(task: str, a: dict, b: dict) -> float:
@@ -277,14 +280,14 @@ def _agree(task: str, a: dict, b: dict) -> float:
 def agreement(task: str, pairs: Sequence[tuple[dict, dict]]) -> Estimate:
     """Share of prompts where both runs give the same answer (:func:`~dropmatch.tasks.metrics.answers_agree`)."""
     same = [_agree(task, x, y) for x, y in pairs]
-    return paired_mean([v for v in same if v == v], "answer agreement")
+    return paired_mean([v for v in same if v == v], "answer agreement", bounds=UNIT)
 
 
 def agreement_gain(task: str, triples: Sequence[tuple[dict, dict, dict]]) -> Estimate:
     """Mean over prompts of agree(a, ref) - agree(b, ref): how much more often run a than run b gives the
     reference run's answer."""
     diffs = [_agree(task, a, r) - _agree(task, b, r) for a, b, r in triples]
-    return paired_mean([d for d in diffs if d == d], "answer agreement gain")
+    return paired_mean([d for d in diffs if d == d], "answer agreement gain", bounds=(-1.0, 1.0))
 
 
 def mean_score(records: Sequence[dict], key: str) -> float:

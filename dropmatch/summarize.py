@@ -36,6 +36,10 @@ from .tasks.metrics import answers_agree
 PRIMARY_SCORE = {"gsm8k": "exact_match", "mmlu": "accuracy", "humaneval": "pass@1", "ifeval": "prompt_level_strict_acc",
                  "klue_nli": "accuracy", "mt_bench": "output_chars", "komt_bench": "output_chars",
                  "kullm": "output_chars"}
+# the range of each per-prompt score that has one (an LLM judge grades 1-10; output_chars has none)
+SCORE_RANGE = {"exact_match": (0.0, 1.0), "accuracy": (0.0, 1.0), "pass@1": (0.0, 1.0),
+               "prompt_level_strict_acc": (0.0, 1.0), "judge_score": (1.0, 10.0)}
+UNIT = (0.0, 1.0)  # shares: exact matches with the greedy output, answer agreement
 
 
 def resamples(n: int, n_resamples: int = 2000, seed: int = 0) -> np.ndarray:
@@ -52,14 +56,32 @@ def _interval(statistics: np.ndarray) -> tuple[float, float]:
     return float(np.percentile(statistics, 2.5)), float(np.percentile(statistics, 97.5))
 
 
-def bootstrap_ci(values: Sequence[float], n_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+def bootstrap_ci(values: Sequence[float], n_resamples: int = 2000, seed: int = 0,
+                 bounds: tuple[float, float] | None = None) -> tuple[float, float]:
     """95 % percentile bootstrap interval of the mean of the finite ``values`` (nan items, e.g. the NLL of
-    an empty output, are left out before resampling: take the estimate over the same items)."""
+    an empty output, are left out before resampling: take the estimate over the same items).
+
+    ``bounds``: the range (lo, hi) every value lies in (a 0-1 score, a share, their differences). Where all
+    the values are equal the bootstrap has no spread, and its zero-width interval would claim a precision
+    the prompts do not give (five prompts that all agree say little about the sixth): the interval is then
+    :func:`constant_sample_interval` instead."""
     values = np.asarray(values, dtype=float)
     values = values[np.isfinite(values)]
     if len(values) == 0:
         return float("nan"), float("nan")
+    if bounds is not None and values.min() == values.max():
+        return constant_sample_interval(float(values[0]), len(values), bounds)
     return _interval(values[resamples(len(values), n_resamples, seed)].mean(axis=1))
+
+
+def constant_sample_interval(value: float, n: int, bounds: tuple[float, float]) -> tuple[float, float]:
+    """95 % interval of the mean of a quantity in ``bounds`` = (lo, hi) when all ``n`` sampled prompts gave
+    ``value``. None of n prompts lies off ``value``, so the share of prompts that would is at most
+    r = 1 - 0.025^(1/n) (Clopper-Pearson, one-sided 97.5 %: 0.52 at n = 5, 0.12 at n = 30), and the mean
+    lies in [value - r (value - lo), value + r (hi - value)]."""
+    lo, hi = bounds
+    r = 1.0 - 0.025 ** (1.0 / n)
+    return value - r * (value - lo), value + r * (hi - value)
 
 
 def _pooled(num: np.ndarray, den: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -186,7 +208,7 @@ def summarize_run(task: str, method: str, rs: Sequence[dict]) -> dict:
     if key is not None and not scores and any(r["score"] for r in rs):
         raise ConfigError(f"{task}/{method}: no record has the score {key!r}; "
                          f"the records have {sorted(rs[0]['score'])}")
-    low, high = bootstrap_ci(scores)
+    low, high = bootstrap_ci(scores, bounds=SCORE_RANGE.get(key))
     row = {"task": task, "method": method, "n": len(rs)}
     with_ci(row, "tau", pooled_ratio(x["new"], x["calls"]), pooled_ratio_ci(x["new"], x["calls"]))
     with_ci(row, "paper_tau", pooled_ratio(x["decode_tokens"], x["decode_steps"]),
@@ -201,7 +223,7 @@ def summarize_run(task: str, method: str, rs: Sequence[dict]) -> dict:
     fids = [r["fidelity"] for r in rs if r.get("fidelity")]
     if fids:
         exact = [float(f["exact_match"]) for f in fids]
-        with_ci(row, "exact_match_rate", float(np.mean(exact)), bootstrap_ci(exact))
+        with_ci(row, "exact_match_rate", float(np.mean(exact)), bootstrap_ci(exact, bounds=UNIT))
         nll = np.array([(f["nll"], f["greedy_nll"]) for f in fids], dtype=float)
         nll = nll[np.isfinite(nll).all(axis=1)]
         delta = nll[:, 0] - nll[:, 1]
@@ -237,7 +259,8 @@ def compare_runs(records: Sequence[dict], base_records: Sequence[dict]) -> dict[
 def agreement(task: str, records: Sequence[dict], reference_records: Sequence[dict]) -> dict[str, float]:
     """``agreement``: share of the prompts both runs hold where ``records`` give the answer
     ``reference_records`` give (:func:`~dropmatch.tasks.metrics.answers_agree`; the reference: a
-    lossless run), with its interval; nan where no pair of records can be compared."""
+    lossless run), with its interval; nan where no pair of records can be compared. A run compared with
+    itself agrees by construction: 1 [1, 1]."""
     same = []
     for r, ref in zip(*_paired(records, reference_records), strict=True):
         if "output" in r and "output" in ref:
@@ -246,7 +269,9 @@ def agreement(task: str, records: Sequence[dict], reference_records: Sequence[di
             except ValueError:  # pass / fail tasks whose records hold no score
                 continue
     row: dict[str, float] = {}
-    with_ci(row, "agreement", float(np.mean(same)) if same else float("nan"), bootstrap_ci(same))
+    itself = records is reference_records
+    with_ci(row, "agreement", float(np.mean(same)) if same else float("nan"),
+            bootstrap_ci(same, bounds=None if itself else UNIT))
     return row
 
 

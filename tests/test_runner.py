@@ -297,3 +297,19 @@ def test_a_new_token_budget_below_one_is_refused(tiny, tmp_path, budget):
         run_task(Decoder(tiny, MethodConfig("sd")), "klue_nli", tmp_path / "r.jsonl", limit=1,
                  max_new_tokens=budget, progress=False)
     assert not (tmp_path / "r.jsonl").exists() or not read_results(tmp_path / "r.jsonl")
+
+
+def test_an_interval_over_prompts_that_all_agree_is_the_exact_binomial_one():
+    # the bootstrap of n equal values has no spread; with the values' range known, the interval is the
+    # Clopper-Pearson bound on the share of prompts that could lie elsewhere (scipy's exact interval)
+    from scipy.stats import binomtest
+
+    for n in (5, 30):
+        exact_low = binomtest(n, n).proportion_ci(confidence_level=0.95, method="exact").low
+        assert bootstrap_ci([1.0] * n, bounds=(0.0, 1.0)) == pytest.approx((exact_low, 1.0))
+        assert bootstrap_ci([0.0] * n, bounds=(0.0, 1.0)) == pytest.approx((0.0, 1.0 - exact_low))
+        assert bootstrap_ci([0.0] * n, bounds=(-100.0, 100.0)) == pytest.approx((-100 * (1 - exact_low),
+                                                                                100 * (1 - exact_low)))
+    assert bootstrap_ci([0.25] * 5) == (0.25, 0.25)  # no range given: the bootstrap's own interval
+    low, high = bootstrap_ci([0, 1] * 50, bounds=(0.0, 1.0))  # values that vary: the bootstrap, as before
+    assert (low, high) == bootstrap_ci([0, 1] * 50)

@@ -132,10 +132,20 @@ def test_table6_rows_from_records(tmp_path):
     assert paper["verdict"] == verdicts.DIFFERENT_REGIME
     tau = _rows(table, "tau ratio SD+DM / SD (paper tau), gsm8k, L=5").loc["equal noise"]
     assert tau["ours"] == pytest.approx(1.5) and tau["verdict"] == verdicts.NOT_REPRODUCED  # the CI misses 1.107
+    # no prompt's score moved, but 12 prompts cannot bound a change of a few points: a 0-1 score's change
+    # lies within +-26 points (the exact bound on the share of prompts that could move), not in 0 [0, 0]
     quality = _rows(table, "score change SD+DM - SD, gsm8k, L=5").loc["equal noise"]
-    assert quality["ours"] == 0.0 and quality["agreement"] == 1.0 and quality["verdict"] == verdicts.REPRODUCED
+    assert quality["ours"] == 0.0 and quality["agreement"] == 1.0 and quality["verdict"] == verdicts.NOT_TESTABLE
+    assert quality["ours_lo"] == pytest.approx(-26.4, abs=0.1) and "underpowered" in quality["reason"]
     mmlu = _rows(table, "speed-up SD+DM / SD (decode tokens/s), mmlu, L=5")
     assert set(mmlu["verdict"]) == {verdicts.NOT_TESTABLE} and "no SD+DM L=5 and SD L=5 in table6_main.csv" in mmlu["reason"].iloc[0]
+
+
+def test_enough_prompts_with_no_score_change_reproduce_a_quality_claim(tmp_path):
+    _gsm8k_runs(tmp_path, n=400)
+    table = verdicts.verdict_table(tmp_path, P_EQUAL, "ours")
+    quality = _rows(table, "score change SD+DM - SD, gsm8k, L=5").loc["equal noise"]
+    assert quality["ours_lo"] > -1 and quality["verdict"] == verdicts.REPRODUCED
 
 
 def test_a_score_at_the_floor_is_not_testable_but_agreement_is_shown(tmp_path):
@@ -220,7 +230,7 @@ def test_every_numbered_result_has_a_row_and_nothing_crashes_without_results(tmp
 
 
 def test_write_verdicts(tmp_path):
-    _gsm8k_runs(tmp_path)
+    _gsm8k_runs(tmp_path, n=400)  # enough prompts for the quality row to be reproduced too
     table = verdicts.verdict_table(tmp_path, P_EQUAL, "tiny: ours")
     csv, md = verdicts.write_verdicts(table, tmp_path / "out")
     assert pd.read_csv(csv).shape == table.shape
@@ -287,3 +297,19 @@ def test_a_table_it_cannot_read_makes_rows_not_testable_instead_of_failing(tmp_p
     table = verdicts.verdict_table(tmp_path, P_EQUAL, "ours")
     row = table[table["result"] == "Table 2"].iloc[0]
     assert row["verdict"] == verdicts.NOT_TESTABLE and "could not read" in row["reason"]
+
+
+def test_five_prompts_with_no_score_change_do_not_refute_a_small_effect():
+    # Fig. 6's claim (+7.8 points) against 5 prompts whose scores all stay the same: the bootstrap alone
+    # gives 0 [0, 0] and "not reproduced", but one prompt moves a 0-1 score by 20 points
+    from dropmatch import report
+    from dropmatch.verdicts.rules import NOT_TESTABLE, Claim, interval_test
+
+    pairs = [({"score": {"prompt_level_strict_acc": 0.0}}, {"score": {"prompt_level_strict_acc": 0.0}})] * 5
+    estimate = report.score_difference(pairs, "prompt_level_strict_acc")
+    assert estimate.value == 0 and estimate.lo < -40 and estimate.hi > 40
+    claim = Claim("Fig. 6", "score change", 7.8, 7.8, "points", tolerance=3.0, null=0.0)
+    assert interval_test(claim, estimate)[0] == NOT_TESTABLE
+    agree = report.agreement("ifeval", [({"output": "a", "score": {"prompt_level_strict_acc": 1.0}},
+                                         {"output": "b", "score": {"prompt_level_strict_acc": 1.0}})] * 5)
+    assert agree.value == 1 and agree.lo == pytest.approx(0.478, abs=1e-3) and agree.hi == 1

@@ -163,7 +163,8 @@ def head_pass_change(results_dir: Path, p: float) -> Measurement:
     for r in records:
         if r["p_drop"] == near[0] and r["id"] in base:
             per_id.setdefault(r["id"], []).append(r["score"].get("pass@1", float("nan")))
-    estimate = report.paired_mean([100 * (sum(v) / len(v) - base[i]) for i, v in per_id.items()], "pass@1 change")
+    estimate = report.paired_mean([100 * (sum(v) / len(v) - base[i]) for i, v in per_id.items()], "pass@1 change",
+                                  bounds=(-100.0, 100.0))
     level = sum(base.values()) / max(len(base), 1)
     if not SCORE_FLOOR <= level <= 1 - SCORE_FLOOR:
         return Measurement(estimate, near[0], f"the dropout-free paths pass {100 * level:.1f} % (floor: "
