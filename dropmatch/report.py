@@ -263,9 +263,11 @@ def score_difference(pairs: Sequence[tuple[dict, dict]], key: str, scale: float 
     """Mean over prompts of score(a) - score(b) times ``scale`` (100: points of a 0-1 score)."""
     diffs = [scale * (x["score"][key] - y["score"][key]) for x, y in pairs
              if key in x.get("score", {}) and key in y.get("score", {})]
-    low, high = SCORE_RANGE.get(key, (float("nan"), float("nan")))
-    spread = scale * (high - low)
-    return paired_mean(diffs, f"{key} difference", bounds=(-spread, spread) if key in SCORE_RANGE else None)
+    bounds = None
+    if key in SCORE_RANGE:  # a change of a bounded score is bounded by the score's range
+        low, high = SCORE_RANGE[key]
+        bounds = (-scale * (high - low), scale * (high - low))
+    return paired_mean(diffs, f"{key} difference", bounds=bounds)
 
 
 def _agree(task: str, a: dict, b: dict) -> float:
