@@ -15,7 +15,7 @@ from .benchmarks.common import describe_model, machine_line
 from .errors import ConfigError
 from .paper import PAPER_SETUPS, TABLE2_AGREEMENT, TABLE4_OVERHEAD_PERCENT, TABLE10_KOMT, table6_for
 from .runner import read_results
-from .summarize import PRIMARY_SCORE, SCORE_RANGE, UNIT, bootstrap_ci, paired_ratio_ci
+from .summarize import PRIMARY_SCORE, SCORE_RANGE, UNIT, bootstrap_ci, difference_bounds, paired_ratio_ci
 from .tasks.metrics import answers_agree
 
 
@@ -263,10 +263,7 @@ def score_difference(pairs: Sequence[tuple[dict, dict]], key: str, scale: float 
     """Mean over prompts of score(a) - score(b) times ``scale`` (100: points of a 0-1 score)."""
     diffs = [scale * (x["score"][key] - y["score"][key]) for x, y in pairs
              if key in x.get("score", {}) and key in y.get("score", {})]
-    bounds = None
-    if key in SCORE_RANGE:  # a change of a bounded score is bounded by the score's range
-        low, high = SCORE_RANGE[key]
-        bounds = (-scale * (high - low), scale * (high - low))
+    bounds = difference_bounds(SCORE_RANGE[key], scale) if key in SCORE_RANGE else None
     return paired_mean(diffs, f"{key} difference", bounds=bounds)
 
 
@@ -289,7 +286,8 @@ def agreement_gain(task: str, triples: Sequence[tuple[dict, dict, dict]]) -> Est
     """Mean over prompts of agree(a, ref) - agree(b, ref): how much more often run a than run b gives the
     reference run's answer."""
     diffs = [_agree(task, a, r) - _agree(task, b, r) for a, b, r in triples]
-    return paired_mean([d for d in diffs if d == d], "answer agreement gain", bounds=(-1.0, 1.0))
+    return paired_mean([d for d in diffs if d == d], "answer agreement gain",
+                       bounds=difference_bounds(UNIT))
 
 
 def mean_score(records: Sequence[dict], key: str) -> float:

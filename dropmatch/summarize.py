@@ -84,6 +84,12 @@ def constant_sample_interval(value: float, n: int, bounds: tuple[float, float]) 
     return value - r * (value - lo), value + r * (hi - value)
 
 
+def difference_bounds(bounds: tuple[float, float], scale: float = 1.0) -> tuple[float, float]:
+    """The range of ``scale * (a - b)`` for a and b in ``bounds`` (a change of a bounded score or share)."""
+    spread = scale * (bounds[1] - bounds[0])
+    return -spread, spread
+
+
 def _pooled(num: np.ndarray, den: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """sum(num) / sum(den) over each resample's items (nan where the denominator sums to 0)."""
     n, d = num[idx].sum(axis=-1), den[idx].sum(axis=-1)
