@@ -9,7 +9,8 @@ scores the position (what verification computes for it) and the one after consum
 (which tells draft tokens apart), concatenated (2d); AutoJudge's target-only setup.
 
 Training (``train_judge``): ``StandardScaler`` + ``LogisticRegression``, C chosen by validation
-ROC-AUC, refit on everything. The judge is saved with joblib and loaded by path.
+ROC-AUC over folds that hold out whole problems, refit on everything. The judge is saved with joblib
+and loaded by path.
 
 As a rule: :class:`dropmatch.rules.judge.JudgeCriterion`.
 """
@@ -17,6 +18,7 @@ As a rule: :class:`dropmatch.rules.judge.JudgeCriterion`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -163,29 +165,57 @@ def mine(pair: ModelPair, problems: Sequence[tuple[str, str]], out: str | Path, 
 
 def train_judge(mismatches: Sequence[Mismatch], Cs: Sequence[float] = (0.001, 0.01, 0.1, 1.0, 10.0),
                 folds: int = 4, seed: int = 0) -> Judge:
-    """Fit the judge; C is chosen by mean validation ROC-AUC over stratified folds (fewer when a
-    class is rarer than ``folds``), then the model is refit on everything."""
+    """Fit the judge; C is chosen by :func:`validation_auc` (folds that hold out whole problems), then
+    the model is refit on everything."""
     from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import StratifiedKFold, cross_val_score
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     x = np.asarray([m.features for m in mismatches], dtype=np.float32)
     y = np.asarray([m.important for m in mismatches], dtype=int)
-    rarest = int(min(np.bincount(y, minlength=2)))
-    if rarest < 2:
+    problems = np.asarray([m.problem for m in mismatches])
+    if int(min(np.bincount(y, minlength=2))) < 2:
         raise ConfigError(f"need at least 2 important and 2 unimportant mismatches to train, got "
                           f"{int(y.sum())} and {int(len(y) - y.sum())}; mine more problems")
 
     def model(c: float):
         return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=5000))
 
-    splits = StratifiedKFold(n_splits=min(folds, rarest), shuffle=True, random_state=seed)
-    aucs = {c: float(cross_val_score(model(c), x, y, cv=splits, scoring="roc_auc").mean()) for c in Cs}
-    best = max(aucs, key=aucs.get)
+    aucs = {c: validation_auc(model(c), x, y, problems, folds, seed) for c in Cs}
+    best = max(Cs, key=lambda c: -1.0 if math.isnan(aucs[c]) else aucs[c])  # the smallest C on ties
     info = {"C": best, "val_auc": aucs[best], "val_auc_by_C": aucs, "n": len(y), "important": int(y.sum()),
+            "problems": len(set(problems.tolist())),
+            "validation": "ROC-AUC of out-of-fold P(important), folds grouped by problem",
             "features": "target hidden state scoring the position + after the draft token", "dim": int(x.shape[1])}
     return Judge(model(best).fit(x, y), info)
+
+
+def validation_auc(model, x: np.ndarray, y: np.ndarray, problems: np.ndarray, folds: int = 4,
+                   seed: int = 0) -> float:
+    """ROC-AUC of ``model``'s out-of-fold P(important) over the mismatches ``x`` (n, features), ``y`` (n,).
+
+    Each fold holds out whole problems (``problems`` (n,): the mismatches of one problem share its context,
+    so a fold that split them would score the judge on problems it was trained on), stratified by label as
+    far as the problems allow; min(``folds``, problems) folds. The scores of all folds are pooled into one
+    AUC, since a held-out fold may hold one class only; a fold whose training part holds one class is
+    skipped. NaN when the scored mismatches hold one class."""
+    from sklearn.base import clone
+    from sklearn.metrics import roc_auc_score
+    from sklearn.model_selection import StratifiedGroupKFold
+
+    n_problems = len(set(problems.tolist()))
+    if n_problems < 2:
+        raise ConfigError(f"the judge's validation holds out whole problems, so it needs mismatches from at least "
+                          f"2 problems, got {n_problems}; mine more problems")
+    splits = StratifiedGroupKFold(n_splits=min(folds, n_problems), shuffle=True, random_state=seed)
+    scores = np.full(len(y), np.nan)
+    for train, held_out in splits.split(x, y, problems):
+        if len(set(y[train].tolist())) == 2:
+            scores[held_out] = clone(model).fit(x[train], y[train]).predict_proba(x[held_out])[:, 1]
+    scored = ~np.isnan(scores)
+    if len(set(y[scored].tolist())) < 2:
+        return math.nan
+    return float(roc_auc_score(y[scored], scores[scored]))
 
 
 def thresholds_for_shares(judge: Judge, mismatches: Sequence[Mismatch], shares: Sequence[float]) -> list[float]:

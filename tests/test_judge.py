@@ -62,11 +62,12 @@ def test_a_bare_stop_string_is_one_stop_string_not_its_characters(tiny):
     assert mining_settings(tiny, "Answer", 10, 1)["stop"] == ["Answer"]
 
 
-def _separable(n=200, d=16, seed=0):
+def _separable(n=200, d=16, seed=0, problems=20):
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 2, n).astype(bool)
     x = rng.normal(size=(n, d)) + 1.5 * y[:, None]
-    return [Mismatch("p", i, 0, 1, bool(label), row.tolist()) for i, (row, label) in enumerate(zip(x, y, strict=True))]
+    return [Mismatch(f"p{i % problems}", i, 0, 1, bool(label), row.tolist())
+            for i, (row, label) in enumerate(zip(x, y, strict=True))]
 
 
 def test_judge_round_trips_through_its_file(tmp_path):
@@ -82,10 +83,26 @@ def test_judge_round_trips_through_its_file(tmp_path):
 
 
 def test_judge_trains_with_few_labels():
-    """Cross-validation folds shrink to the rarer class instead of failing on a one-class split."""
-    judge = train_judge(_separable(n=40)[:7] + [Mismatch("p", 99, 0, 1, True, [3.0] * 16),
-                                                 Mismatch("p", 98, 0, 1, False, [-3.0] * 16)])
-    assert 0.0 <= judge.info["val_auc"] <= 1.0
+    """Validation copes with folds that hold one class, or train on one, instead of failing on them."""
+    judge = train_judge(_separable(n=40)[:7] + [Mismatch("p98", 99, 0, 1, True, [3.0] * 16),
+                                                 Mismatch("p99", 98, 0, 1, False, [-3.0] * 16)])
+    assert 0.0 <= judge.info["val_auc"] <= 1.0 and judge.info["problems"] == 9
+
+
+def test_judge_validation_holds_out_whole_problems():
+    """Mismatches of one problem share its context. Here each problem's features carry its own signature
+    and its label, drawn per problem, is all they tell: a fold that split a problem would let the judge
+    recognise it (validation AUC near 1); holding out whole problems shows it has learnt nothing (~0.5)."""
+    rng = np.random.default_rng(0)
+    problems, per_problem, d = 40, 4, 64
+    signatures, labels = rng.normal(size=(problems, d)), rng.integers(0, 2, problems).astype(bool)
+    mismatches = [Mismatch(f"p{i}", j, 0, 1, bool(labels[i]), (signatures[i] + 0.1 * rng.normal(size=d)).tolist())
+                  for i in range(problems) for j in range(per_problem)]
+    judge = train_judge(mismatches)
+    assert max(judge.info["val_auc_by_C"].values()) < 0.75
+    assert judge.info["problems"] == problems
+    with pytest.raises(ConfigError, match="at least 2 problems"):
+        train_judge([Mismatch("p", i, 0, 1, bool(i % 2), [float(i % 2), 1.0]) for i in range(10)])
 
 
 def test_thresholds_for_shares_accept_those_shares_of_the_mined_mismatches():
@@ -123,7 +140,8 @@ def test_judge_errors(tmp_path):
 def tiny_judge_path(tiny, tmp_path_factory):
     """A judge trained on features of the tiny target's own hidden size."""
     rng = np.random.default_rng(1)
-    mismatches = [Mismatch("p", i, 0, 1, bool(i % 2), (rng.normal(size=128) + (i % 2)).tolist()) for i in range(80)]
+    mismatches = [Mismatch(f"p{i // 4}", i, 0, 1, bool(i % 2), (rng.normal(size=128) + (i % 2)).tolist())
+                  for i in range(80)]
     path = tmp_path_factory.mktemp("judge") / "tiny.joblib"
     train_judge(mismatches).save(path)
     return str(path)
