@@ -165,8 +165,8 @@ def mine(pair: ModelPair, problems: Sequence[tuple[str, str]], out: str | Path, 
 
 def train_judge(mismatches: Sequence[Mismatch], Cs: Sequence[float] = (0.001, 0.01, 0.1, 1.0, 10.0),
                 folds: int = 4, seed: int = 0) -> Judge:
-    """Fit the judge; C is chosen by :func:`validation_auc` (folds that hold out whole problems), then
-    the model is refit on everything."""
+    """Fit the judge; C is chosen by :func:`validation_auc` over :func:`problem_folds` (folds that hold out
+    whole problems), then the model is refit on everything."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -181,39 +181,46 @@ def train_judge(mismatches: Sequence[Mismatch], Cs: Sequence[float] = (0.001, 0.
     def model(c: float):
         return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=5000))
 
-    aucs = {c: validation_auc(model(c), x, y, problems, folds, seed) for c in Cs}
+    splits = problem_folds(y, problems, folds, seed)  # the same folds for every C
+    aucs = {c: validation_auc(model(c), x, y, splits) for c in Cs}
     best = max(Cs, key=lambda c: -1.0 if math.isnan(aucs[c]) else aucs[c])  # the smallest C on ties
     info = {"C": best, "val_auc": aucs[best], "val_auc_by_C": aucs, "n": len(y), "important": int(y.sum()),
-            "problems": len(set(problems.tolist())),
+            "problems": int(np.unique(problems).size),
             "validation": "ROC-AUC of out-of-fold P(important), folds grouped by problem",
             "features": "target hidden state scoring the position + after the draft token", "dim": int(x.shape[1])}
     return Judge(model(best).fit(x, y), info)
 
 
-def validation_auc(model, x: np.ndarray, y: np.ndarray, problems: np.ndarray, folds: int = 4,
-                   seed: int = 0) -> float:
-    """ROC-AUC of ``model``'s out-of-fold P(important) over the mismatches ``x`` (n, features), ``y`` (n,).
-
-    Each fold holds out whole problems (``problems`` (n,): the mismatches of one problem share its context,
-    so a fold that split them would score the judge on problems it was trained on), stratified by label as
-    far as the problems allow; min(``folds``, problems) folds. The scores of all folds are pooled into one
-    AUC, since a held-out fold may hold one class only; a fold whose training part holds one class is
-    skipped. NaN when the scored mismatches hold one class."""
-    from sklearn.base import clone
-    from sklearn.metrics import roc_auc_score
+def problem_folds(y: np.ndarray, problems: np.ndarray, folds: int = 4,
+                  seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(training, held-out) index arrays of min(``folds``, problems) folds over the mismatches with labels
+    ``y`` (n,) that hold out whole problems (``problems`` (n,): the mismatches of one problem share its
+    context, so a fold that split them would score the judge on problems it was trained on), stratified
+    by label as far as the problems allow."""
     from sklearn.model_selection import StratifiedGroupKFold
 
-    n_problems = len(set(problems.tolist()))
+    n_problems = int(np.unique(problems).size)
     if n_problems < 2:
         raise ConfigError(f"the judge's validation holds out whole problems, so it needs mismatches from at least "
                           f"2 problems, got {n_problems}; mine more problems")
-    splits = StratifiedGroupKFold(n_splits=min(folds, n_problems), shuffle=True, random_state=seed)
+    splitter = StratifiedGroupKFold(n_splits=min(folds, n_problems), shuffle=True, random_state=seed)
+    return list(splitter.split(np.zeros((len(y), 1)), y, problems))
+
+
+def validation_auc(model, x: np.ndarray, y: np.ndarray, splits: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+    """ROC-AUC of ``model``'s out-of-fold P(important) over the mismatches ``x`` (n, features), ``y`` (n,),
+    on ``splits`` (from :func:`problem_folds`). The scores of all folds are pooled into one AUC, since a
+    held-out fold may hold one class only; a fold whose training part holds one class is skipped. NaN
+    when the scored mismatches hold one class."""
+    from sklearn.base import clone
+    from sklearn.metrics import roc_auc_score
+
     scores = np.full(len(y), np.nan)
-    for train, held_out in splits.split(x, y, problems):
-        if len(set(y[train].tolist())) == 2:
+    for train, held_out in splits:
+        if np.unique(y[train]).size == 2:
             scores[held_out] = clone(model).fit(x[train], y[train]).predict_proba(x[held_out])[:, 1]
     scored = ~np.isnan(scores)
-    if len(set(y[scored].tolist())) < 2:
+    if np.unique(y[scored]).size < 2:
         return math.nan
     return float(roc_auc_score(y[scored], scores[scored]))
 
