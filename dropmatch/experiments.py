@@ -29,6 +29,7 @@ from .models import ModelPair, load_pair
 from .runner import GreedyReference, append_result, read_results, run_task
 from .stopping import StopOnText
 from .summarize import (
+    UNIT,
     agreement,
     bootstrap_ci,
     compare_runs,
@@ -138,7 +139,7 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
         drafted = [sum(s["drafted_per_step"]) for s in stats]
         verify_ms = [1000 * s["verify_s"] for s in stats]
         steps = [len(s["accepted_per_step"]) for s in stats]
-        with_ci(row, "draft_acceptance", pooled_ratio(accepted, drafted), pooled_ratio_ci(accepted, drafted))
+        with_ci(row, "draft_acceptance", pooled_ratio(accepted, drafted), pooled_ratio_ci(accepted, drafted, bounds=UNIT))
         with_ci(row, "verify_ms_per_step", pooled_ratio(verify_ms, steps), pooled_ratio_ci(verify_ms, steps))
         row["extra_accepts_per_step"] = pooled_ratio([s["extra_accepts"] for s in stats], steps)
         rows.append(row)
@@ -261,10 +262,10 @@ def acceptance_sweep(pair: ModelPair, examples: Sequence[Example], p_values: Seq
     out = []
     for (p, criterion), g in table.groupby(["p_drop", "criterion"]):
         row = {"p_drop": p, "criterion": criterion, "n": len(g), "positions": int(g.positions.sum())}
-        with_ci(row, "exact_match_rate", pooled_ratio(g.exact, g.positions), pooled_ratio_ci(g.exact, g.positions))
-        with_ci(row, "acceptance_rate", pooled_ratio(g.accepted, g.positions), pooled_ratio_ci(g.accepted, g.positions))
+        with_ci(row, "exact_match_rate", pooled_ratio(g.exact, g.positions), pooled_ratio_ci(g.exact, g.positions, bounds=UNIT))
+        with_ci(row, "acceptance_rate", pooled_ratio(g.accepted, g.positions), pooled_ratio_ci(g.accepted, g.positions, bounds=UNIT))
         with_ci(row, "outside_top5_share", pooled_ratio(g.outside, g.accepted_mismatches),
-                pooled_ratio_ci(g.outside, g.accepted_mismatches))
+                pooled_ratio_ci(g.outside, g.accepted_mismatches, bounds=UNIT))
         out.append(row)
     return pd.DataFrame(out)
 
@@ -300,7 +301,7 @@ def agreement_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Seque
             sel = counts_all == m
             row = {"p_drop": p, "agreeing_heads": m}
             with_ci(row, "share", float(sel.mean()),
-                    pooled_ratio_ci([float((c == m).sum()) for c in counts], positions))
+                    pooled_ratio_ci([float((c == m).sum()) for c in counts], positions, bounds=UNIT))
             row.update(mean_prob=float(probs[sel].mean()) if sel.any() else float("nan"), n=len(counts),
                        positions=int(positions.sum()))
             rows.append(row)
@@ -345,11 +346,13 @@ def js_radii_by_p(pair: ModelPair, examples: Sequence[Example], p_values: Sequen
             parts = [part for part in parts if len(part["agree"])]
             counts = [len(part["agree"]) for part in parts]
             row = {"p_drop": p, "case": case}
-            for column, values in (("js_draft", [part["js_draft"] for part in parts]),
-                                   ("js_heads", [part["js_heads"] for part in parts]),
-                                   ("inside_share", [part["js_draft"] <= part["js_heads"] for part in parts])):
+            for column, values, bounds in (("js_draft", [part["js_draft"] for part in parts], None),
+                                           ("js_heads", [part["js_heads"] for part in parts], None),
+                                           ("inside_share", [part["js_draft"] <= part["js_heads"] for part in parts],
+                                            UNIT)):
                 sums = [float(v.sum()) for v in values]
-                with_ci(row, column, sum(sums) / sum(counts) if counts else float("nan"), pooled_ratio_ci(sums, counts))
+                with_ci(row, column, sum(sums) / sum(counts) if counts else float("nan"),
+                        pooled_ratio_ci(sums, counts, bounds=bounds))
             rows.append({**row, "n": len(parts), "positions": int(sum(counts))})
     return pd.DataFrame(rows)
 

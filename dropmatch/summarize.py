@@ -98,12 +98,22 @@ def _pooled(num: np.ndarray, den: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 
 def pooled_ratio_ci(num: Sequence[float], den: Sequence[float], n_resamples: int = 2000,
-                    seed: int = 0) -> tuple[float, float]:
+                    seed: int = 0, bounds: tuple[float, float] | None = None) -> tuple[float, float]:
     """95 % bootstrap interval of the pooled ratio sum(num) / sum(den) (e.g. tau: tokens over target
-    calls), item i contributing num[i] and den[i]."""
+    calls), item i contributing num[i] and den[i].
+
+    ``bounds``: the range (lo, hi) of the ratio (a share: (0, 1)). Where every item with den > 0 gives the
+    same num / den (one prompt holds all the accepted mismatches, or no prompt has any) the resampled
+    ratios have no spread, and the interval is :func:`constant_sample_interval` over those items, as
+    :func:`bootstrap_ci` does for equal values (prompts weighted alike)."""
     num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     if len(num) == 0:
         return float("nan"), float("nan")
+    contributing = den > 0
+    if bounds is not None and contributing.any():
+        ratios = num[contributing] / den[contributing]
+        if ratios.min() == ratios.max():
+            return constant_sample_interval(float(ratios[0]), int(contributing.sum()), bounds)
     return _interval(_pooled(num, den, resamples(len(num), n_resamples, seed)))
 
 

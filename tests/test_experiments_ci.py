@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import papermill
 import pytest
+from scipy.stats import binomtest
 
 from dropmatch import experiments, reproduce
 from dropmatch.errors import ConfigError
@@ -118,12 +119,31 @@ def test_dropout_paths_depend_on_the_seed(tiny, tmp_path, one_thread):
     assert paths(0) == first  # resumed from its own file
 
 
+def test_a_pooled_share_with_one_ratio_across_prompts_has_the_exact_interval():
+    # one prompt holds all four accepted mismatches, one of them outside the top 5: every resample pools to
+    # 1/4, so the bootstrap has no width; with the share's range known, the interval is the exact one
+    # over the one prompt that contributes (prompts without mismatches say nothing about the share)
+    r = 1 - binomtest(1, 1).proportion_ci(confidence_level=0.95, method="exact").low
+    outside, mismatches = [1, 0, 0, 0, 0], [4, 0, 0, 0, 0]
+    assert pooled_ratio_ci(outside, mismatches) == (0.25, 0.25)  # no range given: the bootstrap's own interval
+    assert pooled_ratio_ci(outside, mismatches, bounds=(0.0, 1.0)) == pytest.approx((0.25 - 0.25 * r,
+                                                                                     0.25 + 0.75 * r))
+    # five prompts of different sizes that all give 1/2: as five equal per-prompt values
+    halves = pooled_ratio_ci([1, 2, 3, 4, 5], [2, 4, 6, 8, 10], bounds=(0.0, 1.0))
+    assert halves == pytest.approx(bootstrap_ci([0.5] * 5, bounds=(0.0, 1.0)))
+    # ratios that differ: the bootstrap, as before
+    assert pooled_ratio_ci([1, 0, 2], [2, 3, 4], bounds=(0.0, 1.0)) == pooled_ratio_ci([1, 0, 2], [2, 3, 4])
+
+
 @needs_data
 def test_head_agreement_by_p_has_intervals(tiny, tmp_path, one_thread):
     examples = load_task("humaneval", limit=3)
     table = experiments.agreement_by_p(tiny, examples, [0.0, 0.5], 8, tmp_path, k=3)
     all_agree = table[table.agreeing_heads == 3].set_index("p_drop")
     assert all_agree.loc[0.0, "share"] == 1.0 and (all_agree.n == 3).all()
+    # every prompt gives share 1 at p = 0: the exact interval over 3 prompts, not a zero-width [1, 1]
+    exact_low = binomtest(3, 3).proportion_ci(confidence_level=0.95, method="exact").low
+    assert (all_agree.loc[0.0, "share_lo"], all_agree.loc[0.0, "share_hi"]) == pytest.approx((exact_low, 1.0))
     assert ((table.share_lo <= table.share) & (table.share <= table.share_hi)).all()
     assert table.groupby("p_drop").share.sum().round(9).eq(1.0).all()
 
