@@ -103,8 +103,8 @@ def pooled_ratio_ci(num: Sequence[float], den: Sequence[float], n_resamples: int
     calls), item i contributing num[i] and den[i].
 
     ``bounds``: the range (lo, hi) of the ratio (a share: (0, 1)). Where every item with den > 0 gives the
-    same num / den (one prompt holds all the accepted mismatches, or no prompt has any) the resampled
-    ratios have no spread, and the interval is :func:`constant_sample_interval` over those items, as
+    same num / den (one prompt holds all the accepted mismatches, or no accepted mismatch lies outside the
+    top 5) the resampled ratios have no spread, and the interval is :func:`constant_sample_interval` over those items, as
     :func:`bootstrap_ci` does for equal values (prompts weighted alike)."""
     num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     if len(num) == 0:
