@@ -203,15 +203,22 @@ def _default(name: str):
 
 def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None = None) -> DropoutHead:
     """K dropout heads on ``target``'s LM head, sharing its weight copy in the compute dtype. On a CPU with
-    oneDNN and a float32 head the heads are exact float32 (sparse columns or exact rows, see
-    :class:`~dropmatch.heads.dropout.DropoutHead`) whatever ``head_dtype`` says: a warning says so."""
+    oneDNN and a float32 head the heads take sparse float32 columns at small K p_drop, else K-row passes
+    (bfloat16 where native, see :class:`~dropmatch.heads.dropout.DropoutHead`)."""
     dtype = _dtype(head_dtype, target.device) if head_dtype else default_head_dtype(target.head_weight)
-    head = DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
+    return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
                        weight_in_compute_dtype=target.head_weight_as(dtype))
-    if head_dtype and (head.weight.dtype if head.exact_rows else head.compute_dtype) != dtype:
-        warnings.warn(f"--head-dtype {head_dtype} does not apply here: a CPU float32 head computes its dropout "
-                      "heads exactly in float32 (the method's label still names the dtype)", stacklevel=2)
-    return head
+
+
+def _warn_if_dtype_unused(rule: DropMatch, head_dtype: str | None) -> None:
+    """Say so where a CPU float32 head computes a greedy step's dropout heads in float32 although
+    ``head_dtype`` asked for another dtype (sparse float32 columns; float32 rows for JS criteria)."""
+    head = rule.head
+    used = rule.rows_dtype(SamplingConfig()) if head.exact_rows else head.compute_dtype
+    if head_dtype and str(used).removeprefix("torch.") != head_dtype:
+        warnings.warn(f"--head-dtype {head_dtype} does not apply here: a CPU float32 head computes these dropout "
+                      f"heads exactly in {str(used).removeprefix('torch.')} (the method's label still names the "
+                      "dtype)", stacklevel=3)
 
 
 def build_criterion(target: CausalLM, config: MethodConfig) -> Criterion | None:
@@ -221,8 +228,10 @@ def build_criterion(target: CausalLM, config: MethodConfig) -> Criterion | None:
             return judge
         return AnyOf([judge, build_criterion(target, MethodConfig(**{**config.to_dict(), "method": "dropmatch"}))])
     if config.method == "dropmatch":
-        return DropMatch(dropout_head(target, config.k, config.p_drop, config.head_dtype), config.criterion,
+        rule = DropMatch(dropout_head(target, config.k, config.p_drop, config.head_dtype), config.criterion,
                          config.majority)
+        _warn_if_dtype_unused(rule, config.head_dtype)
+        return rule
     if config.method == "topk":
         return TopK(config.topk)
     if config.method == "typical":

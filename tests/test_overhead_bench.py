@@ -28,7 +28,8 @@ def test_exact_rows_floor_is_one_read_of_the_weight():
     weight = torch.randn(512, 64)
     head = DropoutHead(weight, k=5, p_drop=0.3)
     assert head.exact_rows
-    assert read_floor(head)[0] == weight.numel() * 4 / 1e6
+    assert read_floor(head, torch.float32)[0] == weight.numel() * 4 / 1e6
+    assert read_floor(head, torch.bfloat16)[0] == weight.numel() * 2 / 1e6  # certified bfloat16 rows
 
 
 def test_dense_heads_have_no_read_of_their_own():

@@ -108,11 +108,13 @@ DEFAULT_PATH = {"compute_dtype": None}
 
 def _paths(device: str) -> list[dict]:
     """The head paths to check on ``device``: float32 sparse and dense products, the default (CPUs with
-    oneDNN: one of the float32 paths; elsewhere bfloat16 products with certified decisions), exact rows
-    where oneDNN runs, and on CUDA the bfloat16 sparse and dense paths forced."""
+    oneDNN: float32 sparse heads or rows; elsewhere bfloat16 products with certified decisions), rows in
+    float32 where oneDNN runs and in bfloat16 (certified: greedy argmax votes take them), and on CUDA the
+    bfloat16 sparse and dense paths forced."""
     paths = [{"sparse": True}, {"sparse": False}, DEFAULT_PATH]
     if device == "cpu":  # + the sparse path's blocked W^T in several blocks, the last one padded (V = 60)
-        return paths + [{"sparse": True, "vocab_block": 16}] + ([{"exact_rows": True}] if onednn_linear_supported() else [])
+        rows = [{"exact_rows": True}, {"exact_rows": True, "rows_dtype": torch.bfloat16}]
+        return paths + [{"sparse": True, "vocab_block": 16}] + (rows if onednn_linear_supported() else [])
     return paths + [{"sparse": True, "compute_dtype": None}, {"sparse": False, "compute_dtype": None}]
 
 
@@ -148,6 +150,30 @@ def test_sparse_and_dense_paths_equal_dense_float64(criterion, p_drop, sampling,
         assert extra == 0  # p_drop = 0 is standard verification, greedy and sampled
     elif p_drop == 0.3:
         assert extra > 0
+
+
+def test_bfloat16_rows_hold_their_bounds_and_certify_most_votes():
+    """Rows computed in bfloat16 are within their bounds of the float64 heads (every head, every token),
+    the bounds are tight enough that greedy argmax votes certify without the float32 pass at most
+    positions, and the decisions are those of float32 rows."""
+    evaluations = fallbacks = 0
+    for seed in range(30):
+        weight, inp = random_case(seed, GREEDY, vocab=400, d=64)
+        head = DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.bfloat16)
+        masks = head.draw_masks(inp.n_draft, torch.Generator().manual_seed(seed))
+        logits, bounds = head.row_logits(inp.hidden[:-1], masks)
+        exact = torch.einsum("vd,nkd->nkv", weight.double(), inp.hidden[:-1].double().unsqueeze(1) * masks / 0.7)
+        assert bool((bounds > 0).all())
+        assert bool(((logits.double() - exact).abs() <= bounds.unsqueeze(-1).double()).all()), seed
+        exact_head = DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.float32)
+        for criterion in ("naive", "majority"):
+            rule = DropMatch(head, criterion)
+            verdict = RelaxedVerification(rule).verify(_with(inp, seed))
+            expected = RelaxedVerification(DropMatch(exact_head, criterion)).verify(_with(inp, seed))
+            assert (verdict.n_accepted, verdict.extra_accepts) == (expected.n_accepted, expected.extra_accepts)
+            evaluations += rule.counters.evaluations
+            fallbacks += rule.counters.exact_fallbacks
+    assert evaluations > 50 and fallbacks < 0.2 * evaluations
 
 
 @pytest.mark.parametrize("criterion", CRITERIA)

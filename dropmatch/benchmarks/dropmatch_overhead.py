@@ -8,15 +8,16 @@
    inputs): standard verification and DropMatch (naive, js+majority; K = 5) at p_drop = 0.032 (the
    equal-noise value of a 640-wide model) and 0.3, masks drawn inside the timed step, exact decisions.
    The head path is DropoutHead's choice, named after the requested head dtype in each row: "exact
-   rows" (float32 through oneDNN, where it runs: the dtype does not apply), else sparse dropped-column
-   heads at small p_drop or dense heads fused into the verification GEMM, both with certified
-   decisions (the exact fallbacks per step are shown). Head overhead = extra head + rule time per step,
+   rows" (float32 through oneDNN, where it runs: the dtype does not apply), "bfloat16 rows" (the same
+   pass in bfloat16 for argmax votes on CPUs with native bfloat16, certified), else sparse
+   dropped-column heads at small p_drop or dense heads fused into the verification GEMM, both with
+   certified decisions (the exact fallbacks per step are shown). Head overhead = extra head + rule time per step,
    as a percentage of the standard verify step. The standard step's head is screened (bfloat16 with an
    exact argmax, where the CPU has native bfloat16); JS rules on float32 sparse heads take the float32
    head instead, whose cost the row "standard (float32 head)" shows. Goal (issue 10): js+majority at
    most 5 % at p = 0.032 and 15 % at p = 0.3.
-3. The floor of each head path on this machine: the bytes a position's K heads must read (exact rows:
-   the whole float32 weight; sparse heads: the K p_drop d dropped rows of W^T, in expectation), the time of
+3. The floor of each head path on this machine: the bytes a position's K heads must read (rows: the
+   whole weight in the rows' dtype; sparse heads: the K p_drop d dropped rows of W^T, in expectation), the time of
    one streaming read of that many bytes (``torch.sum``, measured here), and the overhead that read alone
    would cost at the measured positions with heads per step. A goal below that floor is out of reach
    of any kernel for that path on this machine.
@@ -39,6 +40,7 @@ from ..heads.dropout import DropoutHead
 from ..methods import Decoder, MethodConfig, build_rule
 from ..models import ModelPair, load_pair
 from ..rules import StandardVerification, VerifyInput
+from ..sampling import SamplingConfig
 from .common import format_table, gsm8k_fewshot_prompts, machine_line
 
 
@@ -104,9 +106,10 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
     for name in rules:
         ms = 1000 * seconds[name] / n
         counters = getattr(getattr(rules[name], "criterion", None), "counters", None)
-        head = getattr(getattr(rules[name], "criterion", None), "head", None)
-        path = ("" if head is None else " exact rows" if head.exact_rows
-                else f" {'sparse' if head.sparse else 'dense'} {str(head.compute_dtype).removeprefix('torch.')}")
+        criterion = getattr(rules[name], "criterion", None)
+        head = getattr(criterion, "head", None)
+        path = "" if head is None else f" {head_path(criterion)}"
+
         rows.append({"rule": name + path,
                      "head + rule / step (ms)": ms,
                      "exact fallbacks / step": 0.0 if counters is None else counters.exact_fallbacks / n,
@@ -114,6 +117,16 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                      "head overhead (% of verify step)": 100 * (ms - base) / step_ms,
                      "verify step (ms)": step_ms, "steps": len(recorder.steps)})
     return add_floors(pd.DataFrame(rows), rules)
+
+
+def head_path(criterion) -> str:
+    """The head path a DropMatch criterion takes on greedy steps: "exact rows", "bfloat16 rows"
+    (certified), or sparse / dense heads in their compute dtype."""
+    head = criterion.head
+    if head.exact_rows:
+        dtype = criterion.rows_dtype(SamplingConfig())
+        return "exact rows" if dtype == head.weight.dtype else f"{str(dtype).removeprefix('torch.')} rows"
+    return f"{'sparse' if head.sparse else 'dense'} {str(head.compute_dtype).removeprefix('torch.')}"
 
 
 def streaming_read_ms(tensor: torch.Tensor, repeats: int = 15) -> float:
@@ -126,12 +139,15 @@ def streaming_read_ms(tensor: torch.Tensor, repeats: int = 15) -> float:
     return 1000 * statistics.median(times)
 
 
-def read_floor(head: DropoutHead) -> tuple[float, float]:
+def read_floor(head: DropoutHead, rows_dtype: torch.dtype | None = None) -> tuple[float, float]:
     """(MB, ms): the bytes one position's K heads read on ``head``'s path and one streaming read of that
-    many bytes. Exact rows read the whole weight; sparse heads ~K p_drop d rows of W^T (each head's
-    dropped columns, in expectation); dense heads ride in the verification GEMM: (0, 0)."""
+    many bytes. Rows read the whole weight in ``rows_dtype`` (default the head's); sparse heads ~K p_drop
+    d rows of W^T (each head's dropped columns, in expectation); dense heads ride in the verification
+    GEMM: (0, 0)."""
     if head.exact_rows:
-        data = head.weight
+        dtype = rows_dtype or head.rows_dtype
+        data = head.weight if dtype == head.weight.dtype else head.weight_c if dtype == head.compute_dtype \
+            else head.weight.to(dtype)
     elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary
         columns = max(1, round(head.k * head.p_drop * head.weight.shape[1]))
         data = head.weight_blocks.view(-1)[: columns * head.weight.shape[0]]
@@ -147,12 +163,13 @@ def add_floors(table: pd.DataFrame, rules: dict) -> pd.DataFrame:
     base = table["head + rule / step (ms)"].iloc[0]
     floors = []
     for rule, row in zip(rules.values(), table.to_dict("records"), strict=True):
-        head = getattr(getattr(rule, "criterion", None), "head", None)
+        criterion = getattr(rule, "criterion", None)
+        head = getattr(criterion, "head", None)
         per_step = row["positions with heads / step"]
         if head is None or not per_step:
             floors.append({})
             continue
-        megabytes, read_ms = read_floor(head)
+        megabytes, read_ms = read_floor(head, criterion.rows_dtype(SamplingConfig()))
         floors.append({"MB read / position": megabytes, "streaming read (ms)": read_ms,
                        "head + rule / position (ms)": (row["head + rule / step (ms)"] - base) / per_step,
                        "read floor (% of verify step)": 100 * per_step * read_ms / row["verify step (ms)"]})

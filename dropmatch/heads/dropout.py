@@ -16,17 +16,23 @@ that computes them directly:
   from a copy of W^T cut into vocabulary blocks; see :func:`shared_column_blocks`). At the equal-noise
   p_drop of a 640-wide model (~0.03) and K = 5, |U| is ~15 % of d.
 
-* **exact rows**: on a CPU with oneDNN and a float32 weight, ``W (h * m / (1 - p))`` for the K heads of a
-  position directly, a K-row float32 GEMM with the weight reordered once for oneDNN's kernels. The pass
-  is bandwidth-bound: on the embedded pair it costs ~26 ms for 5 rows, as much as one bfloat16 pass,
-  while the dropped-column gather above costs ~27 ms and leaves bfloat16 rounding for the decisions to
-  certify. These heads are exact (float32, the reference precision), so no error bound is needed.
-  :attr:`DropoutHead.exact_rows` says whether this path is taken.
+* **rows** (:attr:`DropoutHead.exact_rows`): on a CPU with oneDNN and a float32 weight,
+  ``W (h * m / (1 - p))`` for the K heads of a position directly, a K-row GEMM with the weight reordered
+  once for oneDNN's kernels. The pass is bandwidth-bound, so its dtype sets its cost
+  (:attr:`DropoutHead.rows_dtype`):
+
+  - float32 (the reference precision, so exact: no error bound): ~26 ms for 5 rows of the embedded
+    pair's 262k x 640 head (51-54 ms on a 2-core AVX2 EPYC);
+  - bfloat16, where the CPU has native bfloat16 GEMMs (AMX / AVX512-BF16) and bfloat16 heads were asked
+    for: half the bytes (13.4 against 25.5 ms on a 2-core AMX Xeon), with each head's rounding bounded
+    as the screened head's (:func:`~dropmatch.heads.screened.rounding_bound`), so the decisions are
+    certified, or recomputed on float32 rows. ``DropMatch.rows_dtype`` takes them for greedy argmax
+    votes only: certifying a JS value costs more than the pass saves.
 
 **Default on a CPU with oneDNN and a float32 weight:** the sparse path in float32 (exact too: float32
 is the reference precision) while one position's K heads drop few columns in expectation
 (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`; ~10 ms for K = 5 at p_drop = 0.032 on the embedded
-pair), else exact rows. Exact rows never read the clean logits; the sparse heads are exact on float32
+pair), else rows. Rows never read the clean logits; the sparse heads are exact on float32
 clean logits, which JS criteria ask for, and certified on screened ones (argmax votes, see
 ``DropMatch.screened_logits_ok``).
 
@@ -152,16 +158,18 @@ class DropoutHead:
         sparse: force the sparse (True) or dense (False) path; ``None`` applies the cost rule.
         sparse_max_fraction: the cost rule's threshold on the expected dropped-union fraction.
         vocab_block: vocabulary columns per block of the CPU sparse path's transposed weight.
-        exact_rows: compute each position's K heads exactly with oneDNN's few-row float32 GEMM (see the
-            module docstring); ``None`` with ``sparse=None``: on a float32 CPU weight with oneDNN, exact
+        exact_rows: compute each position's K heads directly with oneDNN's few-row GEMM (the rows path,
+            see the module docstring); ``None`` with ``sparse=None``: on a float32 CPU weight with oneDNN,
             rows or float32 sparse heads by K p_drop (``compute_dtype`` is then float32).
+        rows_dtype: dtype of the rows path's GEMM; ``None``: bfloat16 where ``compute_dtype`` is bfloat16
+            and the CPU has native bfloat16 GEMMs (certified decisions), else the weight's (exact).
     """
 
     def __init__(self, weight: torch.Tensor, k: int = 5, p_drop: float = 0.3,
                  compute_dtype: torch.dtype | None = None, softcap: float | None = None,
                  weight_in_compute_dtype: torch.Tensor | None = None, sparse: bool | None = None,
                  sparse_max_fraction: float = SPARSE_MAX_FRACTION, exact_rows: bool | None = None,
-                 vocab_block: int = VOCAB_BLOCK):
+                 vocab_block: int = VOCAB_BLOCK, rows_dtype: torch.dtype | None = None):
         check_dropout_args(k, p_drop)
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ConfigError(f"an LM-head weight is a floating-point (V, d) matrix, got {weight.dtype} "
@@ -185,6 +193,11 @@ class DropoutHead:
             if sparse:
                 self.compute_dtype = torch.float32
         self.exact_rows = bool(exact_rows)
+        if rows_dtype is None:
+            native_bf16 = weight.device.type == "cpu" and bf16_matmul_supported()
+            rows_dtype = torch.bfloat16 if self.compute_dtype == torch.bfloat16 and native_bf16 else weight.dtype
+        self.rows_dtype = weight.dtype if softcap else rows_dtype  # capped heads: exact (no bound through tanh)
+        self._rows_kernel: FewRowLinear | None = None
         if sparse is None:
             sparse = expected_union_fraction(k, self.p_drop) <= sparse_max_fraction
         self.sparse = bool(sparse) and not softcap and not self.exact_rows
@@ -313,6 +326,25 @@ class DropoutHead:
         rows = dropout_inputs(hidden, masks, self.p_drop).to(self.weight.dtype)
         raw = self._exact_linear(rows.reshape(-1, rows.shape[-1])).float().view(*rows.shape[:-1], -1)
         return torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw
+
+    def row_logits(self, hidden: torch.Tensor, masks: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows path: head logits (n, K, V) float32 from a K-row GEMM in ``dtype`` (default
+        :attr:`rows_dtype`), and bounds (n, K) in nats on each head's error against :meth:`exact_logits`:
+        zero in the weight's precision; in bfloat16 the screened head's rounding bound (inputs rounded to
+        bfloat16, float32 accumulation, output rounded)."""
+        if (dtype or self.rows_dtype) == self.weight.dtype:
+            logits = self.exact_logits(hidden, masks)
+            return logits, torch.zeros(logits.shape[:2], device=logits.device)
+        dtype = dtype or self.rows_dtype
+        if self._rows_kernel is None or self._rows_kernel.weight.dtype != dtype:
+            self._rows_kernel = shared_few_row_linear(self.weight_c if dtype == self.compute_dtype
+                                                      else self.weight.to(dtype))
+        rows = dropout_inputs(hidden, masks, self.p_drop)  # (n, K, d) float32
+        logits = self._rows_kernel(rows.reshape(-1, rows.shape[-1]).to(dtype)).float()
+        logits = logits.view(*rows.shape[:-1], -1)
+        bounds = rounding_bound(dtype, self.weight.shape[1], self.max_row_norm, rows.norm(dim=-1), logits.abs().amax(-1))
+        return logits, bounds
 
     def exact_on(self, hidden: torch.Tensor, masks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Exact head logits (n, K, |tokens|) on a token subset (rows of W gathered, weight precision)."""
