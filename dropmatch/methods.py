@@ -215,7 +215,7 @@ def _warn_if_dtype_unused(rule: DropMatch, head_dtype: str | None) -> None:
     ``head_dtype`` asked for another dtype (sparse float32 columns; float32 rows for JS criteria)."""
     head = rule.head
     used = rule.rows_dtype(SamplingConfig()) if head.exact_rows else head.compute_dtype
-    if head_dtype and str(used).removeprefix("torch.") != head_dtype:
+    if head_dtype and used != _dtype(head_dtype, head.weight.device):
         warnings.warn(f"--head-dtype {head_dtype} does not apply here: a CPU float32 head computes these dropout "
                       f"heads exactly in {str(used).removeprefix('torch.')} (the method's label still names the "
                       "dtype)", stacklevel=3)

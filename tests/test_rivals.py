@@ -396,3 +396,4 @@ def test_a_head_dtype_that_does_not_apply_is_said():
         warnings.simplefilter("error")
         for p_drop in (0.3, 0.032):
             Decoder(tiny, MethodConfig("dropmatch", p_drop=p_drop, head_dtype="float32"))
+            Decoder(tiny, MethodConfig("dropmatch", p_drop=p_drop, head_dtype="fp32"))  # an alias of it
