@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .heads import check_dropout_args, keep_scale
+from .heads import DropoutHead, check_dropout_args, keep_scale
 from .methods import dropout_head
 from .models import CausalLM, ModelPair
 from .rules.divergence import js_divergence
@@ -59,6 +59,13 @@ def teacher_forced(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Seque
     return hidden, logits, draft_logits
 
 
+def analysis_head(target: CausalLM, k: int, p_drop: float) -> DropoutHead:
+    """The K dropout heads whose values the analyses read (uncertified): float32 on CPUs, so that they do
+    not depend on whether the CPU has native bfloat16 GEMMs (the default head dtype there); the default
+    dtype elsewhere."""
+    return dropout_head(target, k, p_drop, "float32" if target.device.type == "cpu" else None)
+
+
 def head_agreement(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Sequence[int], k: int = 5,
                    p_drop: float = 0.3, seed: int = 0, chunk: int = 8) -> dict[str, np.ndarray]:
     """Per answer position (teacher-forced): how many of the K heads pick the majority token
@@ -72,7 +79,7 @@ def _chunked_heads(target: CausalLM, hidden: torch.Tensor, logits: torch.Tensor,
     """The K dropout heads' logits (n, K, V) of ``chunk`` teacher-forced positions at a time, with their rows
     of ``hidden`` (n, d) / ``logits`` (n, V): masks from one generator seeded by ``seed``, so every analysis
     that walks the positions this way sees the same heads for the same seed and chunk."""
-    head = dropout_head(target, k, p_drop)
+    head = analysis_head(target, k, p_drop)
     generator = torch.Generator().manual_seed(seed)
     for start in range(0, hidden.shape[0], chunk):
         rows = slice(start, start + chunk)
@@ -131,7 +138,7 @@ def acceptance_probe(pair: ModelPair, prompt_ids: Sequence[int], answer_ids: Seq
     n = len(answer_ids)
     rows = []
     for p_drop in p_values:
-        head = dropout_head(pair.target, k, p_drop)
+        head = analysis_head(pair.target, k, p_drop)
         generator = torch.Generator().manual_seed(seed)
         masks = head.draw_masks(n, generator)
         with torch.inference_mode():
@@ -166,7 +173,7 @@ def equal_noise_p_drop(p_reference: float, d_reference: int, d: int) -> float:
 
 def relative_logit_noise(target: CausalLM, hidden: torch.Tensor, p_drop: float, k: int = 8, seed: int = 0) -> float:
     """Mean over positions of std(head logit - clean logit) / std(clean logit), measured with K heads."""
-    head = dropout_head(target, k, p_drop)
+    head = analysis_head(target, k, p_drop)
     with torch.inference_mode():
         clean = target.head(hidden)
         heads = head.logits(hidden, clean, head.draw_masks(hidden.shape[0], torch.Generator().manual_seed(seed)))
