@@ -395,8 +395,8 @@ class DropMatch:
         """The dtype of the rows path's K-row GEMM (:attr:`DropoutHead.exact_rows`): the head's own
         (bfloat16 on native-bfloat16 CPUs) for greedy argmax votes, which certify at a glance; the weight's
         (exact) for JS criteria and under sampling, whose certificates cost more than the bfloat16 pass
-        saves (embedded pair, p_drop = 0.3, K = 5, 2-core AMX Xeon: js+majority on bfloat16 rows 60.8 %
-        of a verify step against 30.9 % on float32 rows)."""
+        saves (embedded pair, p_drop = 0.3, K = 5, 2-core AMX Xeon: js+majority 61 ms a position on
+        bfloat16 rows against 31 ms on float32 rows)."""
         if sampling.greedy and self.criterion not in JS_CRITERIA:
             return self.head.rows_dtype
         return self.head.weight.dtype
