@@ -49,8 +49,9 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     dm.add_argument("--majority", default=d.majority, help="strict (> K/2) or plurality")
     dm.add_argument("--literal", action="store_true",
                     help="paper-literal: the criterion decides every position, exact matches included")
-    dm.add_argument("--head-dtype", help="dtype of the dropout perturbation GEMM (default bfloat16; a CPU float32 "
-                                         "head computes exact float32 heads whatever this says)")
+    dm.add_argument("--head-dtype", help="dtype of the dropout heads' GEMM (default bfloat16; a CPU float32 head "
+                                         "computes exact float32 heads except bfloat16 rows for greedy naive / "
+                                         "majority votes on CPUs with native bfloat16; a warning says when)")
     rv = parser.add_argument_group("rivals (--method topk|typical|divergence|fly|ensemble)")
     rv.add_argument("--topk", type=int, default=d.topk, help="top-K acceptance: K")
     rv.add_argument("--typical-eps", type=float, default=d.typical_eps)

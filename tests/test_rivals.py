@@ -15,6 +15,7 @@ from dropmatch import cli
 from dropmatch.errors import ConfigError
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.models import load_pair
+from dropmatch.onednn_linear import bf16_matmul_supported, onednn_linear_supported
 from dropmatch.rules import (
     DivergenceThreshold,
     FLyVerification,
@@ -397,3 +398,8 @@ def test_a_head_dtype_that_does_not_apply_is_said():
         for p_drop in (0.3, 0.032):
             Decoder(tiny, MethodConfig("dropmatch", p_drop=p_drop, head_dtype="float32"))
             Decoder(tiny, MethodConfig("dropmatch", p_drop=p_drop, head_dtype="fp32"))  # an alias of it
+        if bf16_matmul_supported() and onednn_linear_supported():  # bfloat16 rows: greedy argmax votes take them
+            Decoder(tiny, MethodConfig("dropmatch", p_drop=0.3, criterion="naive", head_dtype="bfloat16"))
+    if bf16_matmul_supported() and onednn_linear_supported():
+        with pytest.warns(UserWarning, match="float32"):  # JS criteria take float32 rows
+            Decoder(tiny, MethodConfig("dropmatch", p_drop=0.3, criterion="js", head_dtype="bfloat16"))

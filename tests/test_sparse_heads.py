@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dropmatch.errors import ConfigError
 from dropmatch.heads.dropout import SPARSE_FLOAT32_MAX_DROPPED, DropoutHead
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.onednn_linear import onednn_linear_supported
@@ -156,7 +157,7 @@ def test_bfloat16_rows_hold_their_bounds_and_certify_most_votes():
     """Rows computed in bfloat16 are within their bounds of the float64 heads (every head, every token),
     the bounds are tight enough that greedy argmax votes certify without the float32 pass at most
     positions, and the decisions are those of float32 rows."""
-    evaluations = fallbacks = 0
+    evaluations = fallbacks = refined = 0
     for seed in range(30):
         weight, inp = random_case(seed, GREEDY, vocab=400, d=64)
         head = DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.bfloat16)
@@ -173,7 +174,11 @@ def test_bfloat16_rows_hold_their_bounds_and_certify_most_votes():
             assert (verdict.n_accepted, verdict.extra_accepts) == (expected.n_accepted, expected.extra_accepts)
             evaluations += rule.counters.evaluations
             fallbacks += rule.counters.exact_fallbacks
+            refined += rule.counters.refined_tokens
     assert evaluations > 50 and fallbacks < 0.2 * evaluations
+    assert refined > 0  # the votes were certified on bfloat16 rows, not computed on float32 ones
+    with pytest.raises(ConfigError, match="rows_dtype"):
+        DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("criterion", CRITERIA)

@@ -196,6 +196,9 @@ class DropoutHead:
         if rows_dtype is None:
             native_bf16 = weight.device.type == "cpu" and bf16_matmul_supported()
             rows_dtype = torch.bfloat16 if self.compute_dtype == torch.bfloat16 and native_bf16 else weight.dtype
+        if rows_dtype not in (weight.dtype, torch.bfloat16):
+            raise ConfigError(f"rows_dtype must be the weight's dtype ({weight.dtype}) or torch.bfloat16 (certified "
+                              f"by its rounding bound), got {rows_dtype}")
         self.rows_dtype = weight.dtype if softcap else rows_dtype  # capped heads: exact (no bound through tanh)
         self._rows_kernel: FewRowLinear | None = None
         if sparse is None:
@@ -333,7 +336,7 @@ class DropoutHead:
         :attr:`rows_dtype`), and bounds (n, K) in nats on each head's error against :meth:`exact_logits`:
         zero in the weight's precision; in bfloat16 the screened head's rounding bound (inputs rounded to
         bfloat16, float32 accumulation, output rounded)."""
-        if (dtype or self.rows_dtype) == self.weight.dtype:
+        if (dtype or self.rows_dtype) == self.weight.dtype or self.softcap:  # capped: exact (no bound through tanh)
             logits = self.exact_logits(hidden, masks)
             return logits, torch.zeros(logits.shape[:2], device=logits.device)
         dtype = dtype or self.rows_dtype

@@ -275,7 +275,7 @@ def js_error_bound(a: torch.Tensor, b: torch.Tensor, eta: torch.Tensor) -> torch
 
 
 def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exact: torch.Tensor, draft_token: int,
-                     draft_dist: torch.Tensor, sampling: SamplingConfig, majority: str = "strict",
+                     draft_dist: torch.Tensor | None, sampling: SamplingConfig, majority: str = "strict",
                      vote_threshold: float | None = None) -> bool | None:
     """The decision of :func:`decide` on the exact head logits, or ``None`` if the bounds cannot certify it.
 
@@ -283,6 +283,7 @@ def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exa
         heads: approximate head logits (K, V), exact on the tokens of ``exact`` (V,) bool.
         eps: bounds on |approx - exact| on the other tokens (nats): per head (K,), or per head and
             token (K, V).
+        draft_dist: the draft distribution (V,); read by JS criteria only (``None`` for argmax votes).
     """
     err = (eps.reshape(eps.shape[0], -1) if eps.dim() else eps.reshape(1, 1)).expand_as(heads).masked_fill(exact, 0.0)
     if not sampling.greedy:
@@ -349,9 +350,10 @@ class DropMatch:
     rows of the first ``prefetch`` positions (default: all L) ride in the verification GEMM itself
     (:meth:`prefetch`). On the sparse path (small p_drop, see :class:`~dropmatch.heads.dropout.DropoutHead`)
     nothing is prefetched: a position's K heads cost the gathered dropped columns only, computed one
-    position at a time where they are needed. On the exact-rows path (CPUs with oneDNN) nothing is
-    prefetched either: a position's K heads are one exact float32 K-row pass, computed where needed, and
-    their decisions need no certification. The criteria (argmaxes, JS) run only where the standard
+    position at a time where they are needed. On the rows path (CPUs with oneDNN) nothing is
+    prefetched either: a position's K heads are one K-row pass, computed where needed: exact float32,
+    whose decisions need no certification, or bfloat16 for greedy argmax votes on CPUs with native
+    bfloat16 (:meth:`rows_dtype`), certified or recomputed in float32. The criteria (argmaxes, JS) run only where the standard
     rule rejects, until DropMatch rejects.
 
     Args:
@@ -471,7 +473,8 @@ class DropMatch:
             threshold = None if thresholds is None else thresholds[j]
             if float(eps.max()) > 0:
                 certifiable = inp.sampling.greedy or inp.sampling.top_p == 1  # top-p cuts are not continuous
-                q = inp.draft_distribution(j)
+                needs_q = self.criterion in JS_CRITERIA or threshold is not None  # argmax votes never read q
+                q = inp.draft_distribution(j) if needs_q else None
                 for extra_margin in self.escalation if certifiable else ():  # a wider exact set before a full exact recomputation
                     verdict = self._certified(j, logits, eps, x, q, inp, masks, threshold, extra_margin)
                     if verdict is not None:
