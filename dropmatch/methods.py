@@ -213,9 +213,8 @@ def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None
 def _warn_if_dtype_unused(rule: DropMatch, head_dtype: str | None) -> None:
     """Say so where a CPU float32 head computes a greedy step's dropout heads in float32 although
     ``head_dtype`` asked for another dtype (sparse float32 columns; float32 rows for JS criteria)."""
-    head = rule.head
-    used = rule.rows_dtype(SamplingConfig()) if head.exact_rows else head.compute_dtype
-    if head_dtype and used != _dtype(head_dtype, head.weight.device):
+    used = rule.heads_dtype(SamplingConfig())
+    if head_dtype and used != _dtype(head_dtype, rule.head.weight.device):
         warnings.warn(f"--head-dtype {head_dtype} does not apply here: a CPU float32 head computes these dropout "
                       f"heads exactly in {str(used).removeprefix('torch.')} (the method's label still names the "
                       "dtype)", stacklevel=3)

@@ -116,7 +116,6 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
         criterion = getattr(rules[name], "criterion", None)
         head = getattr(criterion, "head", None)
         path = "" if head is None else f" {head_path(criterion)}"
-
         rows.append({"rule": name + path,
                      "head + rule / step (ms)": ms,
                      "exact fallbacks / step": 0.0 if counters is None else counters.exact_fallbacks / n,
@@ -129,11 +128,11 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
 def head_path(criterion) -> str:
     """The head path a DropMatch criterion takes on greedy steps: "exact rows", "bfloat16 rows"
     (certified), or sparse / dense heads in their compute dtype."""
-    head = criterion.head
+    head, dtype = criterion.head, criterion.heads_dtype(SamplingConfig())
+    name = str(dtype).removeprefix("torch.")
     if head.exact_rows:
-        dtype = criterion.rows_dtype(SamplingConfig())
-        return "exact rows" if dtype == head.weight.dtype else f"{str(dtype).removeprefix('torch.')} rows"
-    return f"{'sparse' if head.sparse else 'dense'} {str(head.compute_dtype).removeprefix('torch.')}"
+        return "exact rows" if dtype == head.weight.dtype else f"{name} rows"
+    return f"{'sparse' if head.sparse else 'dense'} {name}"
 
 
 def streaming_read_ms(tensor: torch.Tensor, repeats: int = 15) -> float:
@@ -152,9 +151,7 @@ def read_floor(head: DropoutHead, rows_dtype: torch.dtype | None = None) -> tupl
     d rows of W^T (each head's dropped columns, in expectation); dense heads ride in the verification
     GEMM: (0, 0)."""
     if head.exact_rows:
-        dtype = rows_dtype or head.rows_dtype
-        data = head.weight if dtype == head.weight.dtype else head.weight_c if dtype == head.compute_dtype \
-            else head.weight.to(dtype)
+        data = head.weight_in(rows_dtype or head.rows_dtype)
     elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary
         columns = max(1, round(head.k * head.p_drop * head.weight.shape[1]))
         data = head.weight_blocks.view(-1)[: columns * head.weight.shape[0]]

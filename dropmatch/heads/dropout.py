@@ -215,6 +215,12 @@ class DropoutHead:
             self._weight_c = self.weight.to(self.compute_dtype)
         return self._weight_c
 
+    def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight (V, d) in ``dtype``: itself, :attr:`weight_c`, or a fresh conversion."""
+        if dtype == self.weight.dtype:
+            return self.weight
+        return self.weight_c if dtype == self.compute_dtype else self.weight.to(dtype)
+
     @property
     def dense_kernel(self) -> FewRowLinear:
         """``x @ weight_c.T`` for the dense path's perturbation rows: oneDNN with a reordered copy of
@@ -336,13 +342,12 @@ class DropoutHead:
         :attr:`rows_dtype`), and bounds (n, K) in nats on each head's error against :meth:`exact_logits`:
         zero in the weight's precision; in bfloat16 the screened head's rounding bound (inputs rounded to
         bfloat16, float32 accumulation, output rounded)."""
-        if (dtype or self.rows_dtype) == self.weight.dtype or self.softcap:  # capped: exact (no bound through tanh)
+        dtype = dtype or self.rows_dtype
+        if dtype == self.weight.dtype or self.softcap:  # capped: exact (no bound through tanh)
             logits = self.exact_logits(hidden, masks)
             return logits, torch.zeros(logits.shape[:2], device=logits.device)
-        dtype = dtype or self.rows_dtype
         if self._rows_kernel is None or self._rows_kernel.weight.dtype != dtype:
-            self._rows_kernel = shared_few_row_linear(self.weight_c if dtype == self.compute_dtype
-                                                      else self.weight.to(dtype))
+            self._rows_kernel = shared_few_row_linear(self.weight_in(dtype))
         rows = dropout_inputs(hidden, masks, self.p_drop)  # (n, K, d) float32
         logits = self._rows_kernel(rows.reshape(-1, rows.shape[-1]).to(dtype)).float()
         logits = logits.view(*rows.shape[:-1], -1)

@@ -403,6 +403,11 @@ class DropMatch:
             return self.head.rows_dtype
         return self.head.weight.dtype
 
+    def heads_dtype(self, sampling: SamplingConfig) -> torch.dtype:
+        """The dtype of the GEMM that gives the K heads under ``sampling``: :meth:`rows_dtype` on the rows
+        path, else the head's compute dtype."""
+        return self.rows_dtype(sampling) if self.head.exact_rows else self.head.compute_dtype
+
     def draw(self, inp: VerifyInput) -> torch.Tensor:
         """Masks (L, K, d) of the step (prefetched, or drawn now from the step generator)."""
         if inp.prefetch is not None:
