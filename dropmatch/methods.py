@@ -270,7 +270,7 @@ _EAGLE3_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target
 
 def _eagle3_drafter(pair: ModelPair, source: str | None, stop_below: float | None = None) -> Drafter:
     """An EAGLE-3 drafter for ``pair.target``; heads are loaded once per (source, target)."""
-    from .drafters.eagle3 import Eagle3Drafter, committed_head, load_head
+    from .drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
 
     if source is None:
         source = committed_head(pair.name)
@@ -279,7 +279,7 @@ def _eagle3_drafter(pair: ModelPair, source: str | None, stop_below: float | Non
                               "(e.g. a SpecForge / speculators / EAGLE-3 head for this target)")
     heads = _EAGLE3_HEADS.setdefault(pair.target, {})
     if str(source) not in heads:
-        heads[str(source)] = load_head(source, pair.target)
+        heads[str(source)] = load_head(source, pair.target, dtype=drafting_dtype(pair.target))
     return Eagle3Drafter(heads[str(source)], pair.target, stop_below)
 
 

@@ -87,7 +87,8 @@ class CausalLM:
         self._screened: ScreenedHead | None = None
         self._head_kernel: FewRowLinear | None = None
         self.screen_max_rows = SCREEN_MAX_ROWS_WITH_ONEDNN if self.exact_head_kernel is not None else 1 << 30
-        # float32 CPU trunks: few-row GEMMs (decode and verify steps) through oneDNN (dropmatch.onednn_linear)
+        # CPU trunks (float32, or bfloat16 where native): few-row GEMMs (decode and verify steps) through
+        # oneDNN (dropmatch.onednn_linear)
         self.packed_linears = pack_linears(self.trunk) if fast_linears else 0
 
     def _fast_head_default(self) -> bool:

@@ -127,13 +127,14 @@ class PackedForward:
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Give every float32 CPU ``nn.Linear`` under ``module`` a :class:`PackedForward` (idempotent).
-    Returns how many layers use it; 0 where oneDNN's ops are missing."""
+    """Give every CPU ``nn.Linear`` under ``module`` whose weight :class:`FewRowLinear` takes (float32, or
+    bfloat16 where the CPU has native bfloat16 GEMMs) a :class:`PackedForward` (idempotent). Returns how
+    many layers use it; 0 where oneDNN's ops are missing."""
     if not onednn_linear_supported():
         return 0
     count = 0
     for layer in module.modules():
-        if type(layer) is not nn.Linear or layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu":
+        if type(layer) is not nn.Linear or not FewRowLinear(layer.weight).supports_weight():
             continue
         if not isinstance(layer.forward, PackedForward):
             layer.forward = PackedForward(layer)

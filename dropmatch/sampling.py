@@ -103,18 +103,28 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return (first_block * block + within).view(logits.shape[:-1])
 
 
+def rows_at_least(values: torch.Tensor, thresholds: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values >= thresholds[:, None]).nonzero(as_tuple=True)`` of a 2-D ``values`` (n, V) and one
+    threshold per row (n,) of its dtype: the rows and columns (int64) in row-major order. On CPUs over
+    long rows, in two levels: the blocks of ``block`` entries whose maximum reaches their row's threshold,
+    then their entries (a 262k vocabulary where ~1k entries reach it: ~0.25 ms a row, against ~0.85 ms
+    for the comparison and ``nonzero`` of the whole row, which runs on one core)."""
+    n, width = values.shape
+    limits = thresholds.reshape(n, 1)
+    if values.device.type != "cpu" or width % block or width < 64 * block:
+        return (values >= limits).nonzero(as_tuple=True)
+    blocks = values.view(n, width // block, block)
+    # a block with a NaN is searched (its maximum is NaN)
+    rows, hit = (~(blocks.amax(-1) < limits)).nonzero(as_tuple=True)
+    inner, cols = (blocks[rows, hit] >= limits[rows]).nonzero(as_tuple=True)
+    return rows[inner], hit[inner] * block + cols
+
+
 def indices_at_least(values: torch.Tensor, threshold: float, block: int = 64) -> torch.Tensor:
-    """``(values >= threshold).nonzero()`` of a 1-D ``values``: (n,) int64, ascending. On CPUs over long
-    vectors, in two levels: the blocks of ``block`` entries whose maximum reaches the threshold, then
-    their entries (a 262k vocabulary where ~1k entries reach it: ~0.25 ms, against ~0.85 ms for the
-    comparison and ``nonzero`` of the whole vector, which runs on one core)."""
-    n = values.numel()
-    if values.device.type != "cpu" or n % block or n < 64 * block:
-        return (values >= threshold).nonzero().flatten()
-    blocks = values.view(-1, block)
-    hit = (~(blocks.amax(-1) < threshold)).nonzero().flatten()  # a block with a NaN is searched (its maximum is NaN)
-    rows, cols = (blocks.index_select(0, hit) >= threshold).nonzero(as_tuple=True)
-    return hit[rows] * block + cols
+    """``(values >= threshold).nonzero()`` of a 1-D ``values``: (n,) int64, ascending (see
+    :func:`rows_at_least`; the threshold is compared in ``values``' dtype, as a Python number is)."""
+    limit = torch.full((1,), threshold, dtype=values.dtype, device=values.device)
+    return rows_at_least(values.view(1, -1), limit, block)[1]
 
 
 def choose_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -48,6 +49,15 @@ def random_head(target, draft_vocab: int | None = None, seed: int = 0, scale: fl
             if name.endswith("weight") and param.dim() == 2:
                 param.copy_(torch.randn(param.shape, generator=g) * scale / param.shape[1] ** 0.5)
     return head.eval().requires_grad_(False)
+
+
+def in_bfloat16(head: Eagle3Head) -> Eagle3Head:
+    """A bfloat16 copy of ``head`` with float32 rotary frequencies, as ``load_head(dtype=torch.bfloat16)``
+    makes it."""
+    narrow = copy.deepcopy(head).to(torch.bfloat16)
+    for name, value in head.rotary.named_buffers():
+        setattr(narrow.rotary, name, value)
+    return narrow
 
 
 @pytest.fixture(scope="module")
@@ -504,6 +514,12 @@ def test_greedy_sd_with_eagle3_equals_ar(arch):
         torch.testing.assert_close(drafter.cache.k, fresh.k, atol=1e-4, rtol=1e-3)
     plain = generate(target, prompt, drafter=Eagle3Drafter(head, target), draft_len=4, max_new_tokens=30)
     assert plain.token_ids == ar
+    # a head drafting in bfloat16 for a float32 target (drafting_dtype on CPUs with native bfloat16)
+    narrow = in_bfloat16(head)
+    for draft_len in (1, 3, 5):
+        out = generate(target, prompt, drafter=OracleDrafter(narrow, target, prompt.numel(), ar), draft_len=draft_len,
+                       max_new_tokens=30)
+        assert out.token_ids == ar and sum(out.stats.accepted_per_step) > 0
     stopping = generate(target, prompt, drafter=Eagle3Drafter(head, target, stop_below=0.1), draft_len=4,
                         max_new_tokens=30)
     assert stopping.token_ids == ar

@@ -54,6 +54,21 @@ def test_packed_linear_matches_f_linear_on_few_rows_and_leaves_the_rest_to_it(bi
     assert not any(isinstance(getattr(m, "forward", None), PackedForward) for m in model.modules())
 
 
+@pytest.mark.skipif(not bf16_matmul_supported(), reason="no native bfloat16 GEMMs on this CPU")
+def test_bfloat16_linears_are_packed_where_the_cpu_runs_them_natively(monkeypatch):
+    """A bfloat16 module (e.g. an EAGLE-3 head drafting in bfloat16) takes oneDNN's prepacked kernel on
+    few rows, with F.linear's bfloat16 values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32)).to(torch.bfloat16)
+    x = torch.randn(1, 6, 64, dtype=torch.bfloat16)
+    expected = model(x)
+    assert pack_linears(model) == 2
+    seen = _calls(monkeypatch)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), expected)
+    assert seen == [6, 6]
+
+
 def test_a_copied_model_packs_its_own_weights():
     model = nn.Sequential(nn.Linear(16, 8))
     pack_linears(model)

@@ -331,3 +331,22 @@ def test_indices_at_least_equal_nonzero_of_the_comparison(length):
     for threshold in (math.inf, 10.0, 4.0, 2.5, 0.0, -math.inf):
         expected = (values >= threshold).nonzero().flatten()
         assert torch.equal(indices_at_least(values, threshold), expected), threshold
+
+
+@pytest.mark.parametrize("length", [64 * 64 * 4, 64 * 64 * 4 + 3, 100])
+def test_rows_at_least_equal_nonzero_of_the_rowwise_comparison(length):
+    """Every row against its own threshold, in one call: the (row, column) pairs ``nonzero`` gives, in
+    row-major order, for rows where no entry, some entries or every entry reaches it, with NaN entries,
+    infinities and a NaN threshold."""
+    from dropmatch.sampling import rows_at_least
+    g = torch.Generator().manual_seed(4)
+    values = torch.randn(5, length, generator=g)
+    values[1, : length // 8] += 4.0
+    values[2, length // 2] = math.nan
+    values[3, length - 1] = math.inf
+    values[4, length // 3] = -math.inf
+    thresholds = torch.tensor([math.inf, 2.5, 0.0, -math.inf, math.nan])
+    rows, cols = rows_at_least(values, thresholds)
+    want_rows, want_cols = (values >= thresholds[:, None]).nonzero(as_tuple=True)
+    assert torch.equal(rows, want_rows) and torch.equal(cols, want_cols)
+    assert set(rows.tolist()) == {1, 2, 3}  # row 0 (inf) and row 4 (NaN threshold) have none

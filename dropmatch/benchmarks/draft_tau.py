@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from ..drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
-from ..drafters.eagle3 import Eagle3Drafter, committed_head, load_head
+from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
 from ..engine import generate
 from ..models import load_pair
 from ..tasks import load_task
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     pair = load_pair("gemma-3-270m")
-    head = load_head(args.head or committed_head(pair.name), pair.target)
+    head = load_head(args.head or committed_head(pair.name), pair.target, dtype=drafting_dtype(pair.target))
     drafters = {"EAGLE-3 head": lambda: Eagle3Drafter(head, pair.target), "int8 draft": lambda: ModelDrafter(pair.draft),
                 "n-gram lookup": NgramDrafter,
                 "lookup first, EAGLE-3 head": lambda: LookupFirstDrafter(Eagle3Drafter(head, pair.target))}

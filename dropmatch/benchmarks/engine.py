@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
-from ..drafters.eagle3 import Eagle3Drafter, committed_head, load_head
+from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
 from ..engine import generate
 from ..models import load_pair
 from .common import (
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     eagle3_stop_row = f"ours SD (EAGLE-3, L<={L}, stop below p={args.draft_stop:g})"  # dynamic draft length
     head_dir = committed_head(pair.name)
     if head_dir is not None:  # the committed EAGLE-3 head (make train-draft)
-        eagle3 = load_head(head_dir, pair.target)
+        eagle3 = load_head(head_dir, pair.target, dtype=drafting_dtype(pair.target))
         methods[eagle3_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target), L)
         methods[eagle3_stop_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target, args.draft_stop), L)
         lookup_len = args.lookup_len

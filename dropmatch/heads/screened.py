@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..onednn_linear import FewRowLinear, shared_few_row_linear
-from ..sampling import indices_at_least
+from ..sampling import rows_at_least
 
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -68,11 +68,13 @@ class ScreenedHead:
         self.input_bound = 1.05 * (2 * u + u * u + 2 * d * 2.0**-24)
         self.output_bound = 1.05 * u / (1 - u)
 
-    def error_bound(self, approx: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Bound (n, 1) on max_v |approx - exact| for bfloat16 logits ``approx`` (n, V) of ``hidden`` (n, d)."""
+    def error_bound(self, approx: torch.Tensor, hidden: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
+        """Bound (n, 1) on max_v |approx - exact| for bfloat16 logits ``approx`` (n, V) of ``hidden`` (n, d);
+        ``top``: their row maxima (n, 1), if at hand."""
+        top = approx.amax(-1, keepdim=True) if top is None else top
+        magnitude = torch.maximum(top, -approx.amin(-1, keepdim=True))
         x_norm = hidden.float().norm(dim=-1, keepdim=True)
-        return rounding_bound(torch.bfloat16, self.weight.shape[1], self.max_row_norm, x_norm,
-                              approx.abs().amax(-1, keepdim=True))
+        return rounding_bound(torch.bfloat16, self.weight.shape[1], self.max_row_norm, x_norm, magnitude)
 
     def __call__(self, hidden: torch.Tensor, extra: torch.Tensor | None = None):
         """Logits (n, V); with ``extra`` rows (m, d), also their plain bfloat16 products (m, V) float32,
@@ -80,15 +82,16 @@ class ScreenedHead:
         rows = hidden.to(torch.bfloat16) if extra is None else torch.cat([hidden.to(torch.bfloat16), extra.to(torch.bfloat16)])
         product = self.kernel(rows).float()
         approx, extra_products = product[: hidden.shape[0]], product[hidden.shape[0] :]
-        bound = self.error_bound(approx, hidden)
+        top = approx.amax(-1, keepdim=True)
         # Any token below max - 2 * bound cannot be the exact maximum.
-        threshold = approx.amax(-1, keepdim=True) - 2 * bound - self.refine_margin
-        for row in range(approx.shape[0]):
-            tokens = indices_at_least(approx[row], float(threshold[row]))
-            if tokens.numel() > self.max_refined:
+        threshold = top - 2 * self.error_bound(approx, hidden, top) - self.refine_margin
+        row_of, tokens = rows_at_least(approx, threshold)  # every row's candidates at once, row-major
+        ends = torch.bincount(row_of, minlength=approx.shape[0]).cumsum(0).tolist()
+        for row, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+            if end - start > self.max_refined:
                 approx[row] = F.linear(hidden[row].float(), self.weight)
             else:
-                approx[row, tokens] = refined_logits(hidden[row], self.weight, tokens)
+                approx[row, tokens[start:end]] = refined_logits(hidden[row], self.weight, tokens[start:end])
         return approx if extra is None else (approx, extra_products)
 
 
