@@ -212,10 +212,11 @@ def kernel_note(models_info: dict | None, machine: dict) -> str | None:
     parts = " ".join(str(v) for v in (models_info or {}).values())
     if models_info is not None and "cpu" not in parts:
         return None
+    native = "yes" if machine["bf16_gemm"] else "no"
     return (f"CPU-kernel dependent: the int8 dynamic-quantized draft (torch {machine['quantized_engine']} / fbgemm "
-            f"kernels) and the bfloat16 screened heads (native bf16 GEMM: {'yes' if machine['bf16_gemm'] else 'no'}) "
-            "round as this CPU's instruction set makes them; on a CPU with other avx512_bf16 / amx / avx512_vnni "
-            "support, draft tokens, acceptance and tau may differ slightly.")
+            f"kernels), the bfloat16 screened heads and EAGLE-3 heads drafting in bfloat16 for a float32 target "
+            f"(both only with native bf16 GEMMs: {native}) round as this CPU's instruction set makes them; on a CPU "
+            "with other avx512_bf16 / amx / avx512_vnni support, draft tokens, acceptance and tau may differ slightly.")
 
 
 def record_markdown(record: Mapping) -> str:
