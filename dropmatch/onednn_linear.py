@@ -6,7 +6,10 @@ although both read the same 400 MB of weights. oneDNN with a weight reordered on
 (``torch.ops.mkldnn._reorder_linear_weight``, as torch's inductor uses it) runs the 6 rows in ~40 ms.
 Results are float32 GEMMs in another summation order (differences ~1e-7 relative), like any change of
 BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized inputs (many rows) keep
-``F.linear``, which is efficient there; so do autograd and non-CPU or non-float32 weights.
+``F.linear``, which is efficient there; so do autograd and non-CPU weights. bfloat16 weights take the same
+path where the CPU runs bfloat16 natively (:func:`bf16_matmul_supported`; e.g. an EAGLE-3 head drafting in
+bfloat16), else ``F.linear``. Each packed layer holds a reordered copy of its weight (the trunk's memory
+twice over).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ MAX_ROWS = 64  # inputs with more rows (prefill) use F.linear
 
 @functools.cache  # a property of the CPU and the torch build: asked on every few-row call
 def bf16_matmul_supported() -> bool:
-    """Whether this CPU runs bfloat16 GEMMs natively (AVX512-BF16 / AMX)."""
+    """Whether this CPU runs bfloat16 GEMMs natively (AVX512-BF16 / AMX). oneDNN's own answer is also yes
+    on plain AVX-512 CPUs, which emulate bfloat16 (slower than float32), so the instruction set decides."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return onednn and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except (AttributeError, RuntimeError):
         return False
 

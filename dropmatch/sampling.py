@@ -105,11 +105,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def rows_at_least(values: torch.Tensor, thresholds: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values >= thresholds[:, None]).nonzero(as_tuple=True)`` of a 2-D ``values`` (n, V) and one
-    threshold per row (n,) of its dtype: the rows and columns (int64) in row-major order. On CPUs over
+    threshold per row (n,), in ``values``' dtype: the rows and columns (int64) in row-major order. On CPUs over
     long rows, in two levels: the blocks of ``block`` entries whose maximum reaches their row's threshold,
     then their entries (a 262k vocabulary where ~1k entries reach it: ~0.25 ms a row, against ~0.85 ms
     for the comparison and ``nonzero`` of the whole row, which runs on one core)."""
     n, width = values.shape
+    if thresholds.dtype != values.dtype:
+        raise ValueError(f"thresholds are {thresholds.dtype}, values {values.dtype}: compare in one dtype")
     limits = thresholds.reshape(n, 1)
     if values.device.type != "cpu" or width % block or width < 64 * block:
         return (values >= limits).nonzero(as_tuple=True)
@@ -122,8 +124,11 @@ def rows_at_least(values: torch.Tensor, thresholds: torch.Tensor, block: int = 6
 
 def indices_at_least(values: torch.Tensor, threshold: float, block: int = 64) -> torch.Tensor:
     """``(values >= threshold).nonzero()`` of a 1-D ``values``: (n,) int64, ascending (see
-    :func:`rows_at_least`; the threshold is compared in ``values``' dtype, as a Python number is)."""
-    limit = torch.full((1,), threshold, dtype=values.dtype, device=values.device)
+    :func:`rows_at_least`). A float threshold is rounded to the values' floating dtype, as torch rounds a
+    Python number (beyond its range: to +-inf)."""
+    if not values.is_floating_point():
+        return (values >= threshold).nonzero().flatten()
+    limit = torch.tensor([threshold], dtype=torch.float64, device=values.device).to(values.dtype)
     return rows_at_least(values.view(1, -1), limit, block)[1]
 
 

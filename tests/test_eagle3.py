@@ -24,7 +24,7 @@ from dropmatch.drafters.eagle3 import (
 from dropmatch.engine import generate
 from dropmatch.errors import ConfigError, ModelNotFoundError
 from dropmatch.methods import Decoder, MethodConfig
-from dropmatch.models import CausalLM
+from dropmatch.models import CausalLM, ModelPair
 from dropmatch.sampling import SamplingConfig
 
 from .conftest import make_tiny
@@ -516,6 +516,7 @@ def test_greedy_sd_with_eagle3_equals_ar(arch):
     assert plain.token_ids == ar
     # a head drafting in bfloat16 for a float32 target (drafting_dtype on CPUs with native bfloat16)
     narrow = in_bfloat16(head)
+    assert generate(target, prompt, drafter=Eagle3Drafter(narrow, target), draft_len=4, max_new_tokens=30).token_ids == ar
     for draft_len in (1, 3, 5):
         out = generate(target, prompt, drafter=OracleDrafter(narrow, target, prompt.numel(), ar), draft_len=draft_len,
                        max_new_tokens=30)
@@ -614,6 +615,27 @@ def test_methods_with_eagle3(pair, tmp_path):
             assert out.token_ids == ar
     with pytest.raises(ConfigError, match="EAGLE-3 head"):
         Decoder(pair, MethodConfig("sd", draft="eagle3"))  # no committed head for a tiny pair
+
+
+def test_decoders_draft_in_the_drafting_dtype(pair, tmp_path, monkeypatch):
+    """The CLI's decoders and ``eagle3_drafter`` load a head in ``drafting_dtype``: bfloat16 for a float32
+    CPU target where the CPU has native bfloat16 GEMMs (patched on and off here), else the target's;
+    greedy SD with either still equals AR."""
+    import dropmatch.drafters.eagle3 as eagle3
+
+    save_head(random_head(pair.target, 40, seed=3), tmp_path, dtype=torch.float32)
+    prompt = list(range(3, 20))
+    ar = Decoder(pair, MethodConfig("ar")).generate(prompt, max_new_tokens=16).token_ids
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(eagle3, "bf16_matmul_supported", lambda native=native: native)
+        target = CausalLM(pair.target.model)  # heads are cached per target
+        assert eagle3.eagle3_drafter(tmp_path, target).head.fc.weight.dtype == dtype
+        config = MethodConfig("sd", draft="eagle3", draft_head=str(tmp_path))
+        decoder = Decoder(ModelPair(target, pair.draft, pair.tokenizer, pair.name), config)
+        assert decoder.drafter.head.fc.weight.dtype == dtype
+        assert decoder.generate(prompt, max_new_tokens=16).token_ids == ar
+    bf16_target = CausalLM(make_tiny("llama", seed=3, vocab_size=64, layers=3).target.model.to(torch.bfloat16))
+    assert eagle3.drafting_dtype(bf16_target) == torch.bfloat16  # a target's own dtype, patched or not
 
 
 def test_draft_stop_is_named_keyed_and_checked():

@@ -334,3 +334,8 @@ def test_unusable_devices_are_clear_errors():
         with pytest.raises(ConfigError, match="no CUDA GPU"):
             load_pair("tiny", device="cuda")
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_screened_head_of_no_rows_is_empty():
+    weight = torch.randn(8192, 32)
+    assert ScreenedHead(weight)(torch.zeros(0, 32)).shape == (0, 8192)

@@ -328,7 +328,7 @@ def test_indices_at_least_equal_nonzero_of_the_comparison(length):
     values[length // 2] = math.nan
     values[length - 1] = math.inf
     values[length // 3] = -math.inf
-    for threshold in (math.inf, 10.0, 4.0, 2.5, 0.0, -math.inf):
+    for threshold in (math.inf, 1e39, 10.0, 4.0, 2.5, 0.0, -1e39, -math.inf):  # +-1e39: beyond float32's range
         expected = (values >= threshold).nonzero().flatten()
         assert torch.equal(indices_at_least(values, threshold), expected), threshold
 

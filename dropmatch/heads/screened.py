@@ -18,6 +18,8 @@ Used for greedy decoding only; sampling uses the plain float32 head.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -87,7 +89,7 @@ class ScreenedHead:
         threshold = top - 2 * self.error_bound(approx, hidden, top) - self.refine_margin
         row_of, tokens = rows_at_least(approx, threshold)  # every row's candidates at once, row-major
         ends = torch.bincount(row_of, minlength=approx.shape[0]).cumsum(0).tolist()
-        for row, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        for row, (start, end) in enumerate(itertools.pairwise([0, *ends])):
             if end - start > self.max_refined:
                 approx[row] = F.linear(hidden[row].float(), self.weight)
             else:
