@@ -133,10 +133,11 @@ def test_int8_draft_unties_and_quantizes_the_head():
     assert agree > 0.5
 
 
+@pytest.mark.parametrize("vocab", [5000, 8192])  # 8192: whole blocks, so candidates come from the two-level search
 @pytest.mark.parametrize("seed", range(5))
-def test_screened_head_argmax_is_exact_and_bound_holds(seed):
+def test_screened_head_argmax_is_exact_and_bound_holds(seed, vocab):
     g = torch.Generator().manual_seed(seed)
-    vocab, d = 5000, 64
+    d = 64
     weight = torch.randn(vocab, d, generator=g) / d**0.5
     hidden = torch.randn(40, d, generator=g) * 8
     # near-ties: copy the top row of some hidden states with a tiny perturbation
