@@ -125,10 +125,11 @@ def rows_at_least(values: torch.Tensor, thresholds: torch.Tensor, block: int = 6
 def indices_at_least(values: torch.Tensor, threshold: float, block: int = 64) -> torch.Tensor:
     """``(values >= threshold).nonzero()`` of a 1-D ``values``: (n,) int64, ascending (see
     :func:`rows_at_least`). A float threshold is rounded to the values' floating dtype, as torch rounds a
-    Python number (beyond its range: to +-inf)."""
-    if not values.is_floating_point():
+    Python number (beyond its range: to +-inf). Off the CPU (one level anyway) and for integer values, the
+    comparison takes the Python number itself: no threshold tensor to copy to the device."""
+    if values.device.type != "cpu" or not values.is_floating_point():
         return (values >= threshold).nonzero().flatten()
-    limit = torch.tensor([threshold], dtype=torch.float64, device=values.device).to(values.dtype)
+    limit = torch.tensor([threshold], dtype=torch.float64).to(values.dtype)
     return rows_at_least(values.view(1, -1), limit, block)[1]
 
 

@@ -53,8 +53,6 @@ class ScreenedHead:
         max_refined: above this many tokens to recompute, a row is recomputed fully in float32.
     """
 
-    UNIT_ROUNDOFF = 2.0**-8
-
     def __init__(self, weight: torch.Tensor, weight_bf16: torch.Tensor | None = None, refine_margin: float = 4.0,
                  max_refined: int = 16384):
         self.weight = weight.detach().float()
@@ -66,9 +64,6 @@ class ScreenedHead:
         self.max_row_norm = float(self.weight.norm(dim=1).max())
         self.refine_margin = refine_margin
         self.max_refined = max_refined
-        u, d = self.UNIT_ROUNDOFF, weight.shape[1]
-        self.input_bound = 1.05 * (2 * u + u * u + 2 * d * 2.0**-24)
-        self.output_bound = 1.05 * u / (1 - u)
 
     def error_bound(self, approx: torch.Tensor, hidden: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
         """Bound (n, 1) on max_v |approx - exact| for bfloat16 logits ``approx`` (n, V) of ``hidden`` (n, d);
