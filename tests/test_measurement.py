@@ -72,6 +72,21 @@ def test_bench_totals():
     assert row["paper tau"] == pytest.approx(50 / 12) and row["tau"] == pytest.approx(52 / 14)
 
 
+def test_bench_speedup_interval_pairs_generations():
+    """Of two generations, a method is 2x (5x after the prefill) faster on the first and 4/3x (2x) on the
+    second: a 95 % bootstrap over two paired items spans the two one-item ratios, end to end and decode."""
+    base, fast = SpeedTotals(), SpeedTotals()
+    base.add(41, 8.0, 3.0)
+    base.add(11, 2.0, 1.0)
+    fast.add(41, 4.0, 3.0)
+    fast.add(11, 1.5, 1.0)
+    assert fast.speedup_over(base) == pytest.approx((4 / 3, 2.0))
+    assert fast.speedup_over(base, decode=True) == pytest.approx((2.0, 5.0))
+    fast.add(11, 1.5, 1.0)
+    with pytest.raises(ValueError, match="not paired"):
+        fast.speedup_over(base)
+
+
 # --- warm-up --------------------------------------------------------------------------------------
 
 

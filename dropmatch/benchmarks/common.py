@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..paths import data_dir
+from ..summarize import paired_ratio_ci
 
 
 def gsm8k_fewshot_prompts(n_prompts: int, shots: int = 4) -> list[str]:
@@ -62,6 +63,8 @@ class SpeedTotals:
     ``tokens/s mean`` the mean over generations, ``decode tokens/s`` pooled after the prefill (the
     tokens after each generation's first over the time after its prefill), ``tau`` ours (new tokens
     per target forward, prefill included) and ``paper tau`` the paper's (tokens per verify step).
+    ``each`` keeps every generation's (new tokens, wall s, prefill s) in the order added, for
+    :meth:`speedup_over`.
     """
 
     tokens: int = 0
@@ -69,7 +72,7 @@ class SpeedTotals:
     prefill_s: float = 0.0
     calls: int = 0
     generations: int = 0
-    per_generation: list[float] = field(default_factory=list)
+    each: list[tuple[int, float, float]] = field(default_factory=list)
     identical: bool = True
 
     def add(self, n_tokens: int, seconds: float, prefill_s: float, calls: int = 0) -> None:
@@ -79,14 +82,28 @@ class SpeedTotals:
         self.prefill_s += min(prefill_s, seconds)
         self.calls += calls
         self.generations += 1
-        self.per_generation.append(n_tokens / seconds if seconds > 0 else float("nan"))
+        self.each.append((n_tokens, seconds, min(prefill_s, seconds)))
 
     def row(self) -> dict:
         decode_s = self.seconds - self.prefill_s
         decode_tokens = self.tokens - self.generations
+        per_generation = [n / s if s > 0 else float("nan") for n, s, _ in self.each]
         return {"tokens/s": self.tokens / self.seconds if self.seconds > 0 else float("nan"),
-                "tokens/s mean": sum(self.per_generation) / len(self.per_generation) if self.per_generation
-                else float("nan"),
+                "tokens/s mean": sum(per_generation) / len(per_generation) if per_generation else float("nan"),
                 "decode tokens/s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
                 "tau": self.tokens / self.calls if self.calls else "",
                 "paper tau": decode_tokens / (self.calls - self.generations) if self.calls > self.generations else ""}
+
+    def speedup_over(self, base: SpeedTotals, decode: bool = False) -> tuple[float, float]:
+        """95 % paired bootstrap interval of this method's pooled tokens/s over ``base``'s (``decode``:
+        after each generation's prefill, as ``decode tokens/s``), resampling generations: generation i
+        of both must be the same prompt and pass (the benchmarks add them in that order)."""
+        if len(self.each) != len(base.each):
+            raise ValueError(f"{len(self.each)} generations against {len(base.each)}: not paired")
+
+        def columns(totals: SpeedTotals) -> tuple[list[float], list[float]]:
+            if decode:
+                return [n - 1 for n, _, _ in totals.each], [s - p for _, s, p in totals.each]
+            return [n for n, _, _ in totals.each], [s for _, s, _ in totals.each]
+
+        return paired_ratio_ci(*columns(self), *columns(base))

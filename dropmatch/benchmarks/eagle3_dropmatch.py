@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..methods import Decoder, MethodConfig
 from ..models import load_pair
-from ..summarize import bootstrap_ci
+from ..summarize import bootstrap_ci, paired_ratio_ci
 from .common import format_table, machine_line
 from .draft_tau import task_prompts
 
@@ -45,16 +45,11 @@ class PerPrompt:
         self.outputs.append(result.token_ids)
 
 
-def ratio_ci(num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: np.ndarray,
-             n_resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """(sum num / sum den) / (sum base_num / sum base_den) with a paired 95 % bootstrap over prompts."""
-    def ratio(idx):
-        return (num[idx].sum() / den[idx].sum()) / (base_num[idx].sum() / base_den[idx].sum())
-
-    everything = np.arange(len(num))
-    rng = np.random.default_rng(seed)
-    draws = [ratio(rng.integers(0, len(num), len(num))) for _ in range(n_resamples)]
-    return float(ratio(everything)), float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))
+def ratio_ci(num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: np.ndarray) -> tuple[float, float, float]:
+    """(sum num / sum den) / (sum base_num / sum base_den) and its paired 95 % bootstrap interval over
+    prompts (:func:`~dropmatch.summarize.paired_ratio_ci`)."""
+    point = (num.sum() / den.sum()) / (base_num.sum() / base_den.sum())
+    return (float(point), *paired_ratio_ci(num, den, base_num, base_den))
 
 
 def mean_ci(values: np.ndarray) -> tuple[float, float, float]:

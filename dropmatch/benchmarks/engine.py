@@ -7,7 +7,9 @@ greedy decoding, after one warm-up generation per method. Tokens/s is total new 
 wall time (prefill included) per method, beside the mean over generations and the decode tokens/s
 after the prefill (Hugging Face rows: minus the time of a one-token ``generate`` on the same prompt);
 tau is ours (per target forward, prefill included), paper tau per verify step. Speedups are ratios
-against rows of the same run, end to end and (``decode vs HF plain``) after the prefill. The draft model
+against rows of the same run, end to end and (``decode vs HF plain``) after the prefill; those against our
+AR carry a 95 % paired bootstrap interval over the generations (prompt x pass; it shows how far prompts
+and timing noise move the ratio, not the drift of the machine between runs). The draft model
 and the EAGLE-3 head run twice each: at the fixed draft length L (the paper's setting, whose tau the issue
 reports) and with proposals that end after a draft token below ``--draft-stop`` (a dynamic draft length,
 like HF's assistant confidence threshold; lossless, the stop depends on the draft alone). Lookup-first
@@ -59,6 +61,14 @@ def _our_runner(pair, drafter_factory, draft_len):
         return result.token_ids, result.stats.wall_s, result.stats.target_calls, result.stats.prefill_s
 
     return run
+
+
+def _interval(totals: SpeedTotals, ours_ar: SpeedTotals | None, decode: bool) -> str:
+    """``[lo, hi]`` of ``totals``' speedup over our AR (empty without an AR row, or for the AR row)."""
+    if ours_ar is None or totals is ours_ar:
+        return ""
+    lo, hi = totals.speedup_over(ours_ar, decode=decode)
+    return f"[{lo:.2f}, {hi:.2f}]"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,13 +142,16 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"method": name, **speeds, "vs HF plain": speeds["tokens/s"] / plain["tokens/s"],
                      "vs HF assisted": speeds["tokens/s"] / assisted["tokens/s"] if assisted else "",
                      "vs ours AR": speeds["tokens/s"] / ours_ar["tokens/s"] if ours_ar else "",
+                     "vs ours AR 95% CI": _interval(t, totals.get("ours AR"), decode=False),
                      "decode vs HF plain": speeds["decode tokens/s"] / plain["decode tokens/s"],
                      "decode vs ours AR": speeds["decode tokens/s"] / ours_ar["decode tokens/s"] if ours_ar else "",
+                     "decode vs ours AR 95% CI": _interval(t, totals.get("ours AR"), decode=True),
                      "identical to greedy": "yes" if t.identical else "NO"})
     print(f"# engine benchmark: {len(prompts)} 4-shot GSM8K prompts x {args.repeats}, "
           f"{args.max_new_tokens} new tokens, greedy; {machine_line()}")
     print(format_table(rows, ["method", *SPEED_COLUMNS, "vs HF plain", "vs HF assisted", "vs ours AR",
-                              "decode vs HF plain", "decode vs ours AR", "identical to greedy"]))
+                              "vs ours AR 95% CI", "decode vs HF plain", "decode vs ours AR",
+                              "decode vs ours AR 95% CI", "identical to greedy"]))
     for name, t in totals.items():
         if name.startswith("ours SD") and not t.identical:
             raise SystemExit(f"{name}: output differs from greedy decoding")
