@@ -57,42 +57,34 @@ SPEED_COLUMNS = ["tokens/s", "tokens/s mean", "decode tokens/s", "tau", "paper t
 
 @dataclass
 class SpeedTotals:
-    """One method's totals over a benchmark's generations.
+    """One method's generations in a benchmark and their totals.
 
-    ``tokens/s`` is pooled end to end (total new tokens over total wall time, prefill included),
-    ``tokens/s mean`` the mean over generations, ``decode tokens/s`` pooled after the prefill (the
-    tokens after each generation's first over the time after its prefill), ``tau`` ours (new tokens
-    per target forward, prefill included) and ``paper tau`` the paper's (tokens per verify step).
-    ``each`` keeps every generation's (new tokens, wall s, prefill s) in the order added, for
-    :meth:`speedup_over`.
+    ``each`` holds every generation's (new tokens, wall s, prefill s, target forwards) in the order added
+    (:meth:`speedup_over` pairs them). In :meth:`row`, ``tokens/s`` is pooled end to end (total new tokens
+    over total wall time, prefill included), ``tokens/s mean`` the mean over generations, ``decode
+    tokens/s`` pooled after the prefill (the tokens after each generation's first over the time after its
+    prefill), ``tau`` ours (new tokens per target forward, prefill included) and ``paper tau`` the paper's
+    (tokens per verify step).
     """
 
-    tokens: int = 0
-    seconds: float = 0.0
-    prefill_s: float = 0.0
-    calls: int = 0
-    generations: int = 0
-    each: list[tuple[int, float, float]] = field(default_factory=list)
+    each: list[tuple[int, float, float, int]] = field(default_factory=list)
     identical: bool = True
 
     def add(self, n_tokens: int, seconds: float, prefill_s: float, calls: int = 0) -> None:
         """One generation: its new tokens, wall time, prefill time and target forwards (0: unknown)."""
-        self.tokens += n_tokens
-        self.seconds += seconds
-        self.prefill_s += min(prefill_s, seconds)
-        self.calls += calls
-        self.generations += 1
-        self.each.append((n_tokens, seconds, min(prefill_s, seconds)))
+        self.each.append((n_tokens, seconds, min(prefill_s, seconds), calls))
 
     def row(self) -> dict:
-        decode_s = self.seconds - self.prefill_s
-        decode_tokens = self.tokens - self.generations
-        per_generation = [n / s if s > 0 else float("nan") for n, s, _ in self.each]
-        return {"tokens/s": self.tokens / self.seconds if self.seconds > 0 else float("nan"),
+        tokens, seconds, prefill_s, calls = (sum(column) for column in zip(*self.each, strict=True)) if self.each else (0, 0.0, 0.0, 0)
+        generations = len(self.each)
+        decode_s = seconds - prefill_s
+        decode_tokens = tokens - generations
+        per_generation = [n / s if s > 0 else float("nan") for n, s, _, _ in self.each]
+        return {"tokens/s": tokens / seconds if seconds > 0 else float("nan"),
                 "tokens/s mean": sum(per_generation) / len(per_generation) if per_generation else float("nan"),
                 "decode tokens/s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                "tau": self.tokens / self.calls if self.calls else "",
-                "paper tau": decode_tokens / (self.calls - self.generations) if self.calls > self.generations else ""}
+                "tau": tokens / calls if calls else "",
+                "paper tau": decode_tokens / (calls - generations) if calls > generations else ""}
 
     def speedup_over(self, base: SpeedTotals, decode: bool = False) -> tuple[float, float]:
         """95 % paired bootstrap interval of this method's pooled tokens/s over ``base``'s (``decode``:
@@ -103,7 +95,7 @@ class SpeedTotals:
 
         def columns(totals: SpeedTotals) -> tuple[list[float], list[float]]:
             if decode:
-                return [n - 1 for n, _, _ in totals.each], [s - p for _, s, p in totals.each]
-            return [n for n, _, _ in totals.each], [s for _, s, _ in totals.each]
+                return [n - 1 for n, _, _, _ in totals.each], [s - p for _, s, p, _ in totals.each]
+            return [n for n, _, _, _ in totals.each], [s for _, s, _, _ in totals.each]
 
         return paired_ratio_ci(*columns(self), *columns(base))
