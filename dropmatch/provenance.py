@@ -136,10 +136,27 @@ def _last_models():
     return _seen_models[0]() if _seen_models else None
 
 
+def describe_model(lm) -> str:
+    """What a loaded model is, from the model itself: ``int8 dynamic`` when torch's dynamic
+    quantization replaced its linear layers, else the dtype of its weights; and its device(s)."""
+    from torch.ao.nn.quantized import dynamic
+
+    modules = list(lm.model.modules())
+    kind = ("int8 dynamic" if any(isinstance(m, dynamic.Linear) for m in modules)
+            else str(next(lm.model.parameters()).dtype).replace("torch.", ""))
+    spread = getattr(lm.model, "hf_device_map", None)
+    devices = sorted({str(d) for d in spread.values()}) if spread and len(set(spread.values())) > 1 else [str(lm.device)]
+    return f"{kind} on {'+'.join(devices)}"
+
+
+def machine_line() -> str:
+    """One line naming the processor, torch's threads and the torch and Python versions."""
+    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, python {platform.python_version()}")
+
+
 def models_record(pair) -> dict:
     """Each model's kind (dtype or int8 dynamic) and device(s), and the device the target's head ran on."""
-    from .benchmarks.common import describe_model
-
     device = torch.device(pair.target.device)
     return {"name": pair.name, "target": describe_model(pair.target),
             "draft": describe_model(pair.draft) if pair.draft is not None else None,

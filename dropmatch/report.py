@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .benchmarks.common import describe_model, machine_line
 from .errors import ConfigError
 from .paper import PAPER_SETUPS, TABLE2_AGREEMENT, TABLE4_OVERHEAD_PERCENT, TABLE10_KOMT, table6_for
+from .provenance import describe_model, machine_line
 from .runner import read_results
 from .summarize import PRIMARY_SCORE, SCORE_RANGE, UNIT, bootstrap_ci, difference_bounds, paired_ratio_ci
 from .tasks.metrics import answers_agree

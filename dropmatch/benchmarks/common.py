@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import platform
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import torch
 
 from ..paths import data_dir
 from ..summarize import paired_ratio_ci
@@ -32,24 +29,6 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def describe_model(lm) -> str:
-    """What a loaded model is, from the model itself: ``int8 dynamic`` when torch's dynamic
-    quantization replaced its linear layers, else the dtype of its weights; and its device(s)."""
-    from torch.ao.nn.quantized import dynamic
-
-    modules = list(lm.model.modules())
-    kind = ("int8 dynamic" if any(isinstance(m, dynamic.Linear) for m in modules)
-            else str(next(lm.model.parameters()).dtype).replace("torch.", ""))
-    spread = getattr(lm.model, "hf_device_map", None)
-    devices = sorted({str(d) for d in spread.values()}) if spread and len(set(spread.values())) > 1 else [str(lm.device)]
-    return f"{kind} on {'+'.join(devices)}"
-
-
-def machine_line() -> str:
-    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}, python {platform.python_version()}")
 
 
 SPEED_COLUMNS = ["tokens/s", "tokens/s mean", "decode tokens/s", "tau", "paper tau"]

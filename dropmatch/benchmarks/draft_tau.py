@@ -18,10 +18,11 @@ from ..drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
 from ..engine import generate
 from ..models import load_pair
+from ..provenance import machine_line
 from ..runner import merge_stats
 from ..tasks import load_task
 from ..tasks.prompts import chat_prompt
-from .common import format_table, gsm8k_fewshot_prompts, machine_line
+from .common import format_table, gsm8k_fewshot_prompts
 
 
 def task_prompts(task: str, n: int) -> list[str]:

@@ -42,9 +42,10 @@ from ..engine import generate, verify_step
 from ..heads.dropout import DropoutHead
 from ..methods import Decoder, MethodConfig, build_rule
 from ..models import ModelPair, load_pair
+from ..provenance import machine_line
 from ..rules import StandardVerification, VerifyInput
 from ..sampling import SamplingConfig
-from .common import format_table, gsm8k_fewshot_prompts, machine_line
+from .common import format_table, gsm8k_fewshot_prompts
 
 
 class _Float32Standard(StandardVerification):

@@ -23,8 +23,9 @@ import numpy as np
 from ..errors import ConfigError
 from ..methods import Decoder, MethodConfig
 from ..models import load_pair
+from ..provenance import machine_line
 from ..summarize import bootstrap_ci, paired_ratio_ci
-from .common import format_table, machine_line
+from .common import format_table
 from .draft_tau import task_prompts
 
 

@@ -29,14 +29,8 @@ from ..drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
 from ..engine import generate
 from ..models import load_pair
-from .common import (
-    SPEED_COLUMNS,
-    SpeedTotals,
-    describe_model,
-    format_table,
-    gsm8k_fewshot_prompts,
-    machine_line,
-)
+from ..provenance import describe_model, machine_line
+from .common import SPEED_COLUMNS, SpeedTotals, format_table, gsm8k_fewshot_prompts
 
 
 def _hf_runner(pair, **kwargs):

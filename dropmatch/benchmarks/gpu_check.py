@@ -35,11 +35,12 @@ import torch.nn.functional as F
 
 from ..heads.dropout import DropoutHead
 from ..models import ModelPair
+from ..provenance import machine_line
 from ..rules import RelaxedVerification, StandardVerification, VerifyInput
 from ..rules.divergence import js_divergence
 from ..rules.dropmatch import DropMatch, decide
 from ..sampling import SamplingConfig, argmax
-from .common import format_table, machine_line
+from .common import format_table
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ import numpy as np
 from ..fidelity import compare_to_greedy, target_nll
 from ..methods import Decoder, MethodConfig
 from ..models import load_pair
+from ..provenance import machine_line
 from ..tasks import load_task
-from .common import format_table, machine_line
+from .common import format_table
 from .eagle3_dropmatch import mean_ci
 
 

@@ -34,9 +34,10 @@ from ..engine import generate
 from ..errors import ConfigError
 from ..models import load_pair
 from ..paths import REPO_ROOT
+from ..provenance import machine_line
 from ..tasks.data import load_task
 from ..tasks.prompts import chat_prompt
-from .common import SpeedTotals, format_table, machine_line
+from .common import SpeedTotals, format_table
 
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
