@@ -27,7 +27,13 @@ from .errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
 from .heads.screened import ScreenedHead
 from .hub import hub_reachable
 from .kv_cache import use_in_place_layers
-from .onednn_linear import FewRowLinear, bf16_matmul_supported, pack_linears, shared_few_row_linear
+from .onednn_linear import (
+    FewRowLinear,
+    bf16_matmul_supported,
+    pack_linears,
+    shared_few_row_linear,
+    weight_stamp,
+)
 from .paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -83,9 +89,11 @@ class CausalLM:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.fast_head = self._fast_head_default() if fast_head is None else fast_head
+        # copies derived from the head weight, dropped when it changes (see _head_copies)
         self._weight_copies: dict[torch.dtype, torch.Tensor] = {}
         self._screened: ScreenedHead | None = None
         self._head_kernel: FewRowLinear | None = None
+        self._head_stamp: tuple[int, int] | None = None
         self.screen_max_rows = SCREEN_MAX_ROWS_WITH_ONEDNN if self.exact_head_kernel is not None else 1 << 30
         # CPU trunks (float32, or bfloat16 where native): few-row GEMMs (decode and verify steps) through
         # oneDNN (dropmatch.onednn_linear)
@@ -136,6 +144,17 @@ class CausalLM:
         if self.exact_head_kernel is not None:
             self.exact_head_kernel.prepack()
 
+    def _head_copies(self) -> None:
+        """Drop the copies derived from the head weight (its bfloat16 copy, the screened head, the oneDNN
+        kernel) if the weight changed since they were built (:func:`~dropmatch.onednn_linear.weight_stamp`:
+        a checkpoint loaded into the model, a training step, a swapped ``.data``); they are rebuilt on use."""
+        weight = self.lm_head.weight
+        stamp = None if callable(weight) else weight_stamp(weight)
+        if stamp != self._head_stamp:
+            self._weight_copies.clear()
+            self._screened = self._head_kernel = None
+            self._head_stamp = stamp
+
     @property
     def exact_head_kernel(self) -> FewRowLinear | None:
         """oneDNN's few-row float32 GEMM over the head weight (shared with the dropout heads, see
@@ -145,6 +164,7 @@ class CausalLM:
         if (callable(weight) or getattr(self.lm_head, "bias", None) is not None
                 or not isinstance(self.lm_head, nn.Linear)):
             return None
+        self._head_copies()
         if self._head_kernel is None:
             kernel = shared_few_row_linear(self.head_weight)
             if not kernel.supports_weight():
@@ -165,6 +185,7 @@ class CausalLM:
         weight = self.head_weight
         if weight.dtype == dtype:
             return weight
+        self._head_copies()
         if dtype not in self._weight_copies:
             self._weight_copies[dtype] = weight.detach().to(dtype)
         return self._weight_copies[dtype]
@@ -220,6 +241,7 @@ class CausalLM:
         """The screened bfloat16 head when :meth:`screens` says so."""
         if not self.screens(n_rows, exact):
             return None
+        self._head_copies()
         if self._screened is None:
             self._screened = ScreenedHead(self.head_weight, self.head_weight_as(torch.bfloat16))
         return self._screened

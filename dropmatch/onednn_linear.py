@@ -9,7 +9,8 @@ BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized inp
 ``F.linear``, which is efficient there; so do autograd and non-CPU weights. bfloat16 weights take the same
 path where the CPU runs bfloat16 natively (:func:`bf16_matmul_supported`; e.g. an EAGLE-3 head drafting in
 bfloat16), else ``F.linear``. Each packed layer holds a reordered copy of its weight (the trunk's memory
-twice over).
+twice over), reordered again when the weight changes (:func:`weight_stamp`): a checkpoint loaded into the
+module, an optimizer step or a swapped ``.data`` never leaves a stale copy behind.
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ def onednn_linear_supported() -> bool:
                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def weight_stamp(weight: torch.Tensor) -> tuple[int, int]:
+    """What changes when a tensor's values may have: its version counter (bumped by every in-place write:
+    ``load_state_dict``, an optimizer step, ``mul_`` under ``no_grad``; shared by its views) and its data
+    pointer (an assignment to ``.data`` swaps the storage without a bump). Copies derived from a weight
+    compare stamps to know they are stale. An inference tensor keeps no version (-1): it cannot be written
+    in place outside inference mode."""
+    try:
+        version = weight._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        version = -1
+    return version, weight.data_ptr()
+
+
 class FewRowLinear:
     """``x @ weight.T (+ bias)``: oneDNN with the weight reordered once (at the first call that uses it)
     on inputs of at most :data:`MAX_ROWS` rows without autograd, ``F.linear`` otherwise.
@@ -58,6 +72,7 @@ class FewRowLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
+        self._packed_stamp: tuple[int, int] | None = None  # the weight's stamp when it was reordered
 
     def supports_weight(self) -> bool:
         """Whether the weight can take the oneDNN path at all (float32 or native bfloat16, CPU, oneDNN
@@ -71,9 +86,12 @@ class FewRowLinear:
                 and x.device.type == "cpu" and self.supports_weight())
 
     def prepack(self) -> None:
-        """Reorder the weight for oneDNN now (it is otherwise done at the first few-row call)."""
-        if self.packed is None and self.supports_weight():
+        """Reorder the weight for oneDNN now (it is otherwise done at the first few-row call), or again if it
+        changed since (:func:`weight_stamp`)."""
+        stamp = weight_stamp(self.weight)
+        if (self.packed is None or stamp != self._packed_stamp) and self.supports_weight():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.ROWS_HINT)
+            self._packed_stamp = stamp
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """The oneDNN product, for an input :meth:`applies` accepts."""
@@ -113,9 +131,12 @@ class PackedForward:
 
     @property
     def kernel(self) -> FewRowLinear:
-        if self._kernel is None:
-            self._kernel = FewRowLinear(self.linear.weight, self.linear.bias)
-        return self._kernel
+        """The layer's kernel, built anew where the layer's weight or bias is another tensor than it was
+        built on (an assigned ``nn.Parameter``); in-place changes the kernel notices itself."""
+        kernel, linear = self._kernel, self.linear
+        if kernel is None or kernel.weight is not linear.weight or kernel.bias is not linear.bias:
+            kernel = self._kernel = FewRowLinear(linear.weight, linear.bias)
+        return kernel
 
     @property
     def packed(self) -> torch.Tensor | None:
@@ -154,4 +175,5 @@ def unpack_linears(module: nn.Module) -> None:
             del layer.forward
 
 
-__all__ = ["MAX_ROWS", "bf16_matmul_supported", "FewRowLinear", "memory_key", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears"]
+__all__ = ["MAX_ROWS", "bf16_matmul_supported", "FewRowLinear", "memory_key", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears",
+           "weight_stamp"]

@@ -340,3 +340,29 @@ def test_unusable_devices_are_clear_errors():
 def test_screened_head_of_no_rows_is_empty():
     weight = torch.randn(8192, 32)
     assert ScreenedHead(weight)(torch.zeros(0, 32)).shape == (0, 8192)
+
+
+@pytest.mark.parametrize("screened", [False, True], ids=["float32-head", "screened-head"])
+def test_a_checkpoint_loaded_into_a_wrapped_model_is_what_decodes(screened):
+    """Loading other weights into a model after CausalLM wrapped it and decoded (its packed trunk
+    layers, its head's bfloat16 copy, screened head and oneDNN kernel all built): it then decodes as the
+    other model does, token for token and logit for logit."""
+    from dropmatch.engine import generate
+
+    from .conftest import random_prompt
+
+    model, other = tiny_pair(seed=0)[0], tiny_pair(seed=7)[0]
+    wrapped, reference = CausalLM(model, fast_head=screened), CausalLM(other, fast_head=screened)
+    if screened:
+        wrapped.screen_max_rows = reference.screen_max_rows = 1 << 30
+    prompt = random_prompt(3)
+    before = generate(wrapped, prompt, max_new_tokens=24).token_ids
+    hidden = torch.randn(4, model.config.hidden_size)
+    with torch.inference_mode():
+        wrapped.head(hidden, exact=not screened)  # the head's copies exist
+    model.load_state_dict(other.state_dict())
+    expected = generate(reference, prompt, max_new_tokens=24).token_ids
+    assert expected != before  # the two models differ, so the test can tell them apart
+    assert generate(wrapped, prompt, max_new_tokens=24).token_ids == expected
+    with torch.inference_mode():
+        torch.testing.assert_close(wrapped.head(hidden, exact=not screened), reference.head(hidden, exact=not screened))

@@ -112,3 +112,38 @@ def test_bfloat16_weight_takes_onednn_with_bfloat16_rounding_only(monkeypatch):
         assert out.dtype == torch.bfloat16 and seen == [5]
         err = (out.double() - exact).abs()
         assert bool((err <= 2.0**-8 * exact.abs() + 640 * 2.0**-23 * (x.double().abs() @ weight.double().abs().T)).all())
+
+
+def test_packed_layers_follow_their_weights_after_they_change(monkeypatch):
+    """A loaded checkpoint (in-place copy), a swapped ``.data`` and an assigned Parameter each reach the
+    few-row path: no stale reordered copy answers for the old weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))
+    pack_linears(model)
+    x = torch.randn(1, 4, 32)
+    seen = _calls(monkeypatch)
+
+    def check():
+        with torch.inference_mode():
+            expected = F.linear(F.gelu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias)
+            torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+    check()  # packs
+    model.load_state_dict(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)).state_dict())
+    check()
+    model[0].weight.data = torch.randn(48, 32)
+    check()
+    model[2].weight = nn.Parameter(torch.randn(16, 48))
+    model[2].bias = nn.Parameter(torch.randn(16))
+    check()
+    assert seen == [4, 4] * 4  # every call stayed on oneDNN's path
+
+
+def test_a_shared_kernel_repacks_a_weight_changed_in_place():
+    weight = torch.randn(300, 64)
+    kernel = shared_few_row_linear(weight[:200])
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        kernel(x)
+        weight.mul_(-2)  # through the base tensor: the view's version moves with it
+        torch.testing.assert_close(kernel(x), x @ weight[:200].T, rtol=1e-5, atol=1e-5)

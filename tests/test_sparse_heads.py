@@ -316,3 +316,33 @@ def test_screened_clean_bounds_hold_per_token():
                                     approx.abs().amax(-1, keepdim=True))
         tighter.append(float((bound < one_number).float().mean()))
     assert min(tighter) > 0.5
+
+
+@pytest.mark.parametrize("path", [dict(sparse=True, compute_dtype=torch.float32), dict(sparse=False),
+                                  dict(exact_rows=True, rows_dtype=torch.bfloat16)], ids=["sparse", "dense", "rows"])
+def test_dropout_heads_follow_a_weight_changed_in_place(path):
+    """A checkpoint loaded into the model after the heads were built (an in-place copy of the head
+    weight): the heads use the new weight on every path, not their copies of the old one (the
+    transposed blocks, the compute-dtype copy given at construction, the norms of the bounds)."""
+    g = torch.Generator().manual_seed(5)
+    weight, hidden = torch.randn(300, 32, generator=g), torch.randn(3, 32, generator=g)
+    head = DropoutHead(weight, k=5, p_drop=0.3, weight_in_compute_dtype=weight.bfloat16(), vocab_block=128, **path)
+
+    def heads() -> tuple[torch.Tensor, torch.Tensor]:
+        masks = head.draw_masks(3, torch.Generator().manual_seed(0))
+        if head.exact_rows:
+            logits, bounds = head.row_logits(hidden, masks)
+        else:
+            logits = head.logits(hidden, F.linear(hidden, weight), masks)
+            bounds = head.product_bounds(hidden, masks, F.linear(hidden, weight), logits, fused=False)
+        expected = F.linear(hidden.double().unsqueeze(1) * masks / 0.7, weight.double())
+        return (logits.double() - expected).abs().amax(-1), bounds.double()
+
+    heads()
+    held = head._weight_blocks  # a twin head built before the change would still hold the old copy
+    with torch.no_grad():
+        weight.copy_(torch.randn(300, 32, generator=g) * 3)
+    err, bounds = heads()
+    tolerance = 1e-4 if head.compute_dtype == torch.float32 and not head.exact_rows else 0.0
+    assert bool((err <= bounds + tolerance).all()), (err, bounds)
+    assert held is None or head.weight_blocks is not held

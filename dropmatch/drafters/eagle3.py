@@ -592,8 +592,9 @@ class Eagle3Drafter:
         self._keep = (ids < self.vocab).nonzero().squeeze(-1)
         self._ids = ids[self._keep]
         self.cache = Eagle3Cache(head.config.sliding_window)
-        pack_linears(head)  # CPU heads: one-row GEMMs through oneDNN (float32: 22 -> 14 ms a 5-token proposal);
-        # the reordered weights are copies: call onednn_linear.unpack_linears(head) before training it further
+        # CPU heads: one-row GEMMs through oneDNN (float32: 22 -> 14 ms a 5-token proposal), reordered
+        # again if the head's weights change (training takes torch's own path: autograd is on)
+        pack_linears(head)
         self._feats: torch.Tensor | None = None
         self._tokens: list[int] = []
         self._proposed: list[int] = []

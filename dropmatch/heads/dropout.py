@@ -56,7 +56,13 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..onednn_linear import FewRowLinear, bf16_matmul_supported, memory_key, shared_few_row_linear
+from ..onednn_linear import (
+    FewRowLinear,
+    bf16_matmul_supported,
+    memory_key,
+    shared_few_row_linear,
+    weight_stamp,
+)
 from .screened import rounding_bound
 
 SPARSE_MAX_FRACTION = 0.35
@@ -82,8 +88,8 @@ def shared_column_blocks(weight: torch.Tensor, dtype: torch.dtype, block: int) -
     width = min(block, V), row ``b * d + j`` holding column j of W over the vocabulary block b (the last
     block zero-padded). ``block >= V`` gives W^T itself, (d, V). Built once per weight memory, dtype and
     block (one copy, 671 MB in float32 for the embedded pair) and shared by every dropout head on it while
-    one of them holds it."""
-    key = (*memory_key(weight), dtype, block)
+    one of them holds it; a weight changed in place since (its version, :func:`weight_stamp`) gets a new one."""
+    key = (*memory_key(weight), weight_stamp(weight)[0], dtype, block)
     blocks = _TRANSPOSED.get(key)
     if blocks is None:
         vocab, d = weight.shape
@@ -179,7 +185,6 @@ class DropoutHead:
             compute_dtype = torch.float16 if weight.dtype == torch.float16 else torch.bfloat16
         self.compute_dtype = compute_dtype
         self.weight = weight.detach()
-        self._weight_c_given = weight_in_compute_dtype
         self._weight_c: torch.Tensor | None = weight_in_compute_dtype
         self._weight_t: torch.Tensor | None = None
         self._weight_blocks: torch.Tensor | None = None
@@ -204,10 +209,27 @@ class DropoutHead:
         if sparse is None:
             sparse = expected_union_fraction(k, self.p_drop) <= sparse_max_fraction
         self.sparse = bool(sparse) and not softcap and not self.exact_rows
-        self.max_row_norm = float(self.weight.float().norm(dim=1).max()) if self.weight.numel() else 0.0
         self._norms: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stamp = weight_stamp(self.weight)
+        self.max_row_norm = self._max_row_norm()
 
     # -- weights ---------------------------------------------------------------------------------
+    def _max_row_norm(self) -> float:
+        return float(self.weight.float().norm(dim=1).max()) if self.weight.numel() else 0.0
+
+    def drop_stale_copies(self) -> None:
+        """Forget what was derived from the weight (its compute-dtype and transposed copies, their kernels,
+        norms) if the weight changed in place since (a checkpoint loaded into the model, a training step:
+        :func:`~dropmatch.onednn_linear.weight_stamp`); it is rebuilt on use. :meth:`draw_masks` calls it,
+        which every step does before computing heads."""
+        stamp = weight_stamp(self.weight)
+        if stamp != self._stamp:
+            self._weight_c = self._weight_t = self._weight_blocks = None  # a copy given at construction too
+            self._dense_kernel = self._rows_kernel = None
+            self._norms = None
+            self.max_row_norm = self._max_row_norm()
+            self._stamp = stamp
+
     @property
     def weight_c(self) -> torch.Tensor:
         """The weight (V, d) in the compute dtype (converted on first use unless shared)."""
@@ -253,6 +275,7 @@ class DropoutHead:
         (no host-to-device copy; same seed, same masks; GPU and CPU runs draw different masks).
         ``consume=False`` seeds from a hash of the generator's state instead (see :func:`device_generator`).
         """
+        self.drop_stale_copies()
         device = self.weight.device
         d = self.weight.shape[1]
         gen = device_generator(generator, device, consume)
