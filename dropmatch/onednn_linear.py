@@ -57,6 +57,13 @@ def weight_stamp(weight: torch.Tensor) -> tuple[int, int]:
     return version, weight.data_ptr()
 
 
+def few_row_weight(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can take oneDNN's few-row path at all: float32 or (where the CPU runs it natively)
+    bfloat16, on the CPU, with oneDNN's linear ops in this torch."""
+    dtype_ok = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_matmul_supported())
+    return dtype_ok and weight.device.type == "cpu" and onednn_linear_supported()
+
+
 class FewRowLinear:
     """``x @ weight.T (+ bias)``: oneDNN with the weight reordered once (at the first call that uses it)
     on inputs of at most :data:`MAX_ROWS` rows without autograd, ``F.linear`` otherwise.
@@ -75,10 +82,8 @@ class FewRowLinear:
         self._packed_stamp: tuple[int, int] | None = None  # the weight's stamp when it was reordered
 
     def supports_weight(self) -> bool:
-        """Whether the weight can take the oneDNN path at all (float32 or native bfloat16, CPU, oneDNN
-        in this torch)."""
-        dtype_ok = self.weight.dtype == torch.float32 or (self.weight.dtype == torch.bfloat16 and bf16_matmul_supported())
-        return dtype_ok and self.weight.device.type == "cpu" and onednn_linear_supported()
+        """Whether the weight can take the oneDNN path at all (:func:`few_row_weight`)."""
+        return few_row_weight(self.weight)
 
     def applies(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
@@ -160,7 +165,7 @@ def pack_linears(module: nn.Module) -> int:
         return 0
     count = 0
     for layer in module.modules():
-        if type(layer) is not nn.Linear or not FewRowLinear(layer.weight).supports_weight():
+        if type(layer) is not nn.Linear or not few_row_weight(layer.weight):
             continue
         if not isinstance(layer.forward, PackedForward):
             layer.forward = PackedForward(layer)
@@ -175,5 +180,5 @@ def unpack_linears(module: nn.Module) -> None:
             del layer.forward
 
 
-__all__ = ["MAX_ROWS", "bf16_matmul_supported", "FewRowLinear", "memory_key", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears",
+__all__ = ["MAX_ROWS", "bf16_matmul_supported", "FewRowLinear", "few_row_weight", "memory_key", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears",
            "weight_stamp"]
