@@ -24,20 +24,12 @@ import pandas as pd
 from . import analysis
 from .errors import ConfigError
 from .fidelity import target_nll
+from .intervals import UNIT, bootstrap_ci, pooled_ratio_ci
 from .methods import Decoder, MethodConfig
 from .models import ModelPair, load_pair
 from .runner import GreedyReference, append_result, read_results, run_task
 from .stopping import StopOnText
-from .summarize import (
-    UNIT,
-    agreement,
-    bootstrap_ci,
-    compare_runs,
-    pooled_ratio,
-    pooled_ratio_ci,
-    summarize_run,
-    with_ci,
-)
+from .summarize import agreement, compare_runs, pooled_ratio, summarize_run, with_ci
 from .tasks import Example, cut_output, generation_defaults, score
 from .tasks.llm_judge import PROMPT_FILES, JudgeEndpoint
 

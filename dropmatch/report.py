@@ -12,10 +12,11 @@ import numpy as np
 import pandas as pd
 
 from .errors import ConfigError
+from .intervals import UNIT, bootstrap_ci, difference_bounds, paired_ratio_ci
 from .paper import PAPER_SETUPS, TABLE2_AGREEMENT, TABLE4_OVERHEAD_PERCENT, TABLE10_KOMT, table6_for
 from .provenance import describe_model, machine_line
 from .runner import read_results
-from .summarize import PRIMARY_SCORE, SCORE_RANGE, UNIT, bootstrap_ci, difference_bounds, paired_ratio_ci
+from .summarize import PRIMARY_SCORE, SCORE_RANGE
 from .tasks.metrics import answers_agree
 
 
@@ -244,7 +245,7 @@ def paired_ratio(pairs: Sequence[tuple[dict, dict]], kind: str) -> Estimate:
 
 def paired_mean(values: Sequence[float], what: str, bounds: tuple[float, float] | None = None) -> Estimate:
     """The mean of per-prompt values with its 95 % bootstrap interval (``bounds``: the values' range, see
-    :func:`~dropmatch.summarize.bootstrap_ci`)."""
+    :func:`~dropmatch.intervals.bootstrap_ci`)."""
     values = np.asarray(values, dtype=float)
     if not len(values):
         return Estimate(float("nan"), n=0, source=f"no prompts with {what}")

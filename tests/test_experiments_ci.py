@@ -13,10 +13,11 @@ from scipy.stats import binomtest
 
 from dropmatch import experiments, reproduce
 from dropmatch.errors import ConfigError
+from dropmatch.intervals import bootstrap_ci, paired_ratio_ci, pooled_ratio_ci
 from dropmatch.methods import MethodConfig
 from dropmatch.paths import data_dir
 from dropmatch.stats import GenerationStats
-from dropmatch.summarize import bootstrap_ci, paired_ratio_ci, pooled_ratio_ci, summarize_records
+from dropmatch.summarize import summarize_records
 from dropmatch.tasks import load_task
 
 needs_data = pytest.mark.skipif(not (data_dir() / "gsm8k").is_dir(), reason="benchmark data directory not found")

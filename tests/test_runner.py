@@ -13,10 +13,11 @@ import time
 import pytest
 
 from dropmatch.errors import ConfigError
+from dropmatch.intervals import bootstrap_ci
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.paths import data_dir
 from dropmatch.runner import TaskRunner, lock_path, read_results, results_lock, run_task
-from dropmatch.summarize import bootstrap_ci, summarize_files, summarize_records
+from dropmatch.summarize import summarize_files, summarize_records
 from dropmatch.tasks import load_task
 
 pytestmark = pytest.mark.skipif(not (data_dir() / "mmlu").is_dir(), reason="benchmark data directory not found")

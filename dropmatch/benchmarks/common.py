@@ -6,8 +6,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..intervals import paired_ratio_ci
 from ..paths import data_dir
-from ..summarize import paired_ratio_ci
 
 
 def gsm8k_fewshot_prompts(n_prompts: int, shots: int = 4) -> list[str]:

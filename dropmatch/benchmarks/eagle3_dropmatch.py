@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ConfigError
+from ..intervals import bootstrap_ci, paired_ratio_ci
 from ..methods import Decoder, MethodConfig
 from ..models import load_pair
 from ..provenance import machine_line
-from ..summarize import bootstrap_ci, paired_ratio_ci
 from .common import format_table
 from .draft_tau import task_prompts
 
@@ -48,13 +48,13 @@ class PerPrompt:
 
 def ratio_ci(num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: np.ndarray) -> tuple[float, float, float]:
     """(sum num / sum den) / (sum base_num / sum base_den) and its paired 95 % bootstrap interval over
-    prompts (:func:`~dropmatch.summarize.paired_ratio_ci`)."""
+    prompts (:func:`~dropmatch.intervals.paired_ratio_ci`)."""
     point = (num.sum() / den.sum()) / (base_num.sum() / base_den.sum())
     return (float(point), *paired_ratio_ci(num, den, base_num, base_den))
 
 
 def mean_ci(values: np.ndarray) -> tuple[float, float, float]:
-    """The mean and its 95 % bootstrap interval (:func:`~dropmatch.summarize.bootstrap_ci`)."""
+    """The mean and its 95 % bootstrap interval (:func:`~dropmatch.intervals.bootstrap_ci`)."""
     return (float(values.mean()), *bootstrap_ci(values))
 
 

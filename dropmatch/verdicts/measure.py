@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .. import report, summarize
+from .. import intervals, report, summarize
 from ..report import Estimate
 from ..runner import read_results
 from .rules import P_MATCH_TOLERANCE, SCORE_FLOOR, Measurement, ci_text, odds
@@ -164,7 +164,7 @@ def head_pass_change(results_dir: Path, p: float) -> Measurement:
         if r["p_drop"] == near[0] and r["id"] in base:
             per_id.setdefault(r["id"], []).append(r["score"].get("pass@1", float("nan")))
     estimate = report.paired_mean([100 * (sum(v) / len(v) - base[i]) for i, v in per_id.items()], "pass@1 change",
-                                  bounds=summarize.difference_bounds(summarize.SCORE_RANGE["pass@1"], 100.0))
+                                  bounds=intervals.difference_bounds(summarize.SCORE_RANGE["pass@1"], 100.0))
     level = sum(base.values()) / max(len(base), 1)
     if not SCORE_FLOOR <= level <= 1 - SCORE_FLOOR:
         return Measurement(estimate, near[0], f"the dropout-free paths pass {100 * level:.1f} % (floor: "
