@@ -4,7 +4,7 @@ Every long computation writes JSON lines under ``results_dir`` and skips what is
 a notebook re-run (or ``make reproduce`` after an interruption) continues instead of starting over.
 
 Every estimate over prompts comes with a bootstrap 95 % interval over the prompts, in the columns
-``<column>_lo`` and ``<column>_hi`` (:mod:`dropmatch.summarize`). Every example draws its dropout masks
+``<column>_lo`` and ``<column>_hi`` (:mod:`dropmatch.intervals`). Every example draws its dropout masks
 (and samples) from a seed of its own, :func:`example_seed` of the run's seed and the example's id.
 Generations use each task's own budget and stop strings (:func:`token_budget`), optionally capped.
 """

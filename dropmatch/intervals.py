@@ -1,6 +1,7 @@
 """95 % bootstrap intervals over prompts: of a mean, of a pooled ratio (sum over sum), of a paired
-ratio of two runs over the same prompts, with the interval for a sample that does not vary. Pure numpy:
-the benchmarks, the summary tables, the reports and the notebooks take their intervals from here."""
+ratio of two runs over the same prompts, with the interval for a sample that does not vary. numpy only
+(no model, runner or task code): the benchmarks, the summary tables, the reports and the notebooks take
+their intervals from here."""
 
 from __future__ import annotations
 

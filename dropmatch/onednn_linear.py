@@ -10,7 +10,7 @@ BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized inp
 path where the CPU runs bfloat16 natively (:func:`bf16_matmul_supported`; e.g. an EAGLE-3 head drafting in
 bfloat16), else ``F.linear``. Each packed layer holds a reordered copy of its weight (the trunk's memory
 twice over), reordered again when the weight changes (:func:`weight_stamp`): a checkpoint loaded into the
-module, an optimizer step or a swapped ``.data`` never leaves a stale copy behind.
+module, an optimizer step, a swapped ``.data`` or an assigned Parameter never leaves a stale copy behind.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def weight_stamp(weight: torch.Tensor) -> tuple[int, int]:
     """What changes when a tensor's values may have: its version counter (bumped by every in-place write:
     ``load_state_dict``, an optimizer step, ``mul_`` under ``no_grad``; shared by its views) and its data
     pointer (an assignment to ``.data`` swaps the storage without a bump). Copies derived from a weight
-    compare stamps to know they are stale. An inference tensor keeps no version (-1): it cannot be written
-    in place outside inference mode."""
+    compare stamps to know they are stale. An inference tensor keeps no version (-1), so a write to it in
+    place (possible inside inference mode only) goes unnoticed: load weights outside inference mode."""
     try:
         version = weight._version
     except RuntimeError:  # "Inference tensors do not track version counter"
@@ -65,7 +65,8 @@ def few_row_weight(weight: torch.Tensor) -> bool:
 
 
 class FewRowLinear:
-    """``x @ weight.T (+ bias)``: oneDNN with the weight reordered once (at the first call that uses it)
+    """``x @ weight.T (+ bias)``: oneDNN with the weight reordered once (at the first call that uses it,
+    and again after the weight changes: :func:`weight_stamp`)
     on inputs of at most :data:`MAX_ROWS` rows without autograd, ``F.linear`` otherwise.
 
     Args:
@@ -118,7 +119,8 @@ _SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the weig
 def shared_few_row_linear(weight: torch.Tensor) -> FewRowLinear:
     """The one :class:`FewRowLinear` (no bias) of the memory ``weight`` views: every caller reading
     it, through the same tensor or an equal view (``CausalLM.head_weight`` slices anew on each call),
-    shares one oneDNN-reordered copy (671 MB for the embedded pair's LM head), built once. The entry
+    shares one oneDNN-reordered copy (671 MB for the embedded pair's LM head), built once (and again if the
+    weight changes in place). The entry
     lives as long as a caller holds the kernel, which keeps that memory alive."""
     key = memory_key(weight)
     kernel = _SHARED.get(key)
@@ -174,7 +176,8 @@ def pack_linears(module: nn.Module) -> int:
 
 
 def unpack_linears(module: nn.Module) -> None:
-    """Undo :func:`pack_linears` (e.g. before training the module)."""
+    """Undo :func:`pack_linears` (frees the reordered copies; training needs no undo: autograd takes
+    torch's own path)."""
     for layer in module.modules():
         if isinstance(getattr(layer, "forward", None), PackedForward):
             del layer.forward

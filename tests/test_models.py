@@ -342,11 +342,12 @@ def test_screened_head_of_no_rows_is_empty():
     assert ScreenedHead(weight)(torch.zeros(0, 32)).shape == (0, 8192)
 
 
+@pytest.mark.parametrize("assign", [False, True], ids=["copied-in", "assigned"])
 @pytest.mark.parametrize("screened", [False, True], ids=["float32-head", "screened-head"])
-def test_a_checkpoint_loaded_into_a_wrapped_model_is_what_decodes(screened):
+def test_a_checkpoint_loaded_into_a_wrapped_model_is_what_decodes(screened, assign):
     """Loading other weights into a model after CausalLM wrapped it and decoded (its packed trunk
-    layers, its head's bfloat16 copy, screened head and oneDNN kernel all built): it then decodes as the
-    other model does, token for token and logit for logit."""
+    layers, its head's bfloat16 copy, screened head and oneDNN kernel all built), copied into its tensors
+    or assigned as new ones: it then decodes as the other model does, token for token and logit for logit."""
     from dropmatch.engine import generate
 
     from .conftest import random_prompt
@@ -360,9 +361,35 @@ def test_a_checkpoint_loaded_into_a_wrapped_model_is_what_decodes(screened):
     hidden = torch.randn(4, model.config.hidden_size)
     with torch.inference_mode():
         wrapped.head(hidden, exact=not screened)  # the head's copies exist
-    model.load_state_dict(other.state_dict())
+    model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=assign)
     expected = generate(reference, prompt, max_new_tokens=24).token_ids
     assert expected != before  # the two models differ, so the test can tell them apart
     assert generate(wrapped, prompt, max_new_tokens=24).token_ids == expected
     with torch.inference_mode():
         torch.testing.assert_close(wrapped.head(hidden, exact=not screened), reference.head(hidden, exact=not screened))
+
+
+def test_decoding_reorders_each_weight_once(monkeypatch):
+    """The weight stamps never move on their own: a second generation reorders nothing for oneDNN and
+    keeps the screened head it built (a stamp that changed on every call would repack every step)."""
+    from dropmatch import onednn_linear
+    from dropmatch.drafters import ModelDrafter
+    from dropmatch.engine import generate
+
+    from .conftest import random_prompt
+
+    if not onednn_linear.onednn_linear_supported():
+        pytest.skip("this torch has no oneDNN linear ops")
+    target, draft = tiny_pair(seed=0)
+    target, draft = CausalLM(target, fast_head=True), CausalLM(draft)
+    target.screen_max_rows = 1 << 30
+    reorders: list[tuple[int, ...]] = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, *a: reorders.append(tuple(w.shape)) or real(w, *a))
+    for drafter in (None, ModelDrafter(draft)):
+        generate(target, random_prompt(1), drafter=drafter, max_new_tokens=16)
+    first, screened = len(reorders), target._screened
+    assert first >= target.packed_linears and screened is not None
+    for drafter in (None, ModelDrafter(draft)):
+        generate(target, random_prompt(2), drafter=drafter, max_new_tokens=16)
+    assert len(reorders) == first and target._screened is screened

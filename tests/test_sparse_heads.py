@@ -339,6 +339,7 @@ def test_dropout_heads_follow_a_weight_changed_in_place(path):
         return (logits.double() - expected).abs().amax(-1), bounds.double()
 
     heads()
+    head.row_norms()  # the screened-clean bounds' norms, built on the old weight
     held = head._weight_blocks  # a twin head built before the change would still hold the old copy
     with torch.no_grad():
         weight.copy_(torch.randn(300, 32, generator=g) * 3)
@@ -346,3 +347,5 @@ def test_dropout_heads_follow_a_weight_changed_in_place(path):
     tolerance = 1e-4 if head.compute_dtype == torch.float32 and not head.exact_rows else 0.0
     assert bool((err <= bounds + tolerance).all()), (err, bounds)
     assert held is None or head.weight_blocks is not held
+    torch.testing.assert_close(head.row_norms()[0], weight.norm(dim=1))  # what the bounds scale with
+    assert head.max_row_norm == pytest.approx(float(weight.norm(dim=1).max()))

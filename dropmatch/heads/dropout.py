@@ -160,7 +160,8 @@ class DropoutHead:
             full-precision heads on both paths.
         softcap: final-logit soft-capping of the model (Gemma-2), or ``None`` (capped heads are
             computed directly: no additive identity holds through tanh).
-        weight_in_compute_dtype: ``weight`` already converted, to share one copy.
+        weight_in_compute_dtype: ``weight`` already converted, to share one copy (until the weight changes
+            in place: the heads then convert their own, see :meth:`drop_stale_copies`).
         sparse: force the sparse (True) or dense (False) path; ``None`` applies the cost rule.
         sparse_max_fraction: the cost rule's threshold on the expected dropped-union fraction.
         vocab_block: vocabulary columns per block of the CPU sparse path's transposed weight.
@@ -221,7 +222,9 @@ class DropoutHead:
         """Forget what was derived from the weight (its compute-dtype and transposed copies, their kernels,
         norms) if the weight changed in place since (a checkpoint loaded into the model, a training step:
         :func:`~dropmatch.onednn_linear.weight_stamp`); it is rebuilt on use. :meth:`draw_masks` calls it,
-        which every step does before computing heads."""
+        which every step does before computing heads. The heads hold the weight tensor they were given: a
+        model whose head weight is replaced (an assigned ``.data`` or Parameter, ``load_state_dict(...,
+        assign=True)``) needs new heads (build the method again)."""
         stamp = weight_stamp(self.weight)
         if stamp != self._stamp:
             self._weight_c = self._weight_t = self._weight_blocks = None  # a copy given at construction too
