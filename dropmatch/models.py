@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 import warnings
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,10 +29,10 @@ from .hub import hub_reachable
 from .kv_cache import use_in_place_layers
 from .onednn_linear import (
     FewRowLinear,
+    WeightWatch,
     bf16_matmul_supported,
     pack_linears,
     shared_few_row_linear,
-    weight_stamp,
 )
 from .paths import cache_root
 
@@ -94,8 +93,7 @@ class CausalLM:
         self._weight_copies: dict[torch.dtype, torch.Tensor] = {}
         self._screened: ScreenedHead | None = None
         self._head_kernel: FewRowLinear | None = None
-        self._head_ref: weakref.ref | None = None  # the weight they were built on, and its stamp
-        self._head_stamp: tuple[int, int] | None = None
+        self._head_watch = WeightWatch()  # the weight they were built on
         self.screen_max_rows = SCREEN_MAX_ROWS_WITH_ONEDNN if self.exact_head_kernel is not None else 1 << 30
         # CPU trunks (float32, or bfloat16 where native): few-row GEMMs (decode and verify steps) through
         # oneDNN (dropmatch.onednn_linear)
@@ -149,16 +147,14 @@ class CausalLM:
     def _head_copies(self) -> None:
         """Drop the copies derived from the head weight (its bfloat16 copy, the screened head, the oneDNN
         kernel) if the weight changed since they were built (:func:`~dropmatch.onednn_linear.weight_stamp`:
-        a checkpoint loaded into the model, a training step, a swapped ``.data``; or another tensor, which
-        the stamp alone could miss where it reuses a freed weight's memory); they are rebuilt on use."""
+        a checkpoint loaded into the model, a training step, a swapped ``.data``, another Parameter: a
+        :class:`~dropmatch.onednn_linear.WeightWatch`); they are rebuilt on use."""
         weight = self.lm_head.weight
         if callable(weight):  # a quantized head computes its weight on each call
             return
-        stamp = weight_stamp(weight)
-        if self._head_ref is None or self._head_ref() is not weight or stamp != self._head_stamp:
+        if self._head_watch.changed(weight):
             self._weight_copies.clear()
             self._screened = self._head_kernel = None
-            self._head_ref, self._head_stamp = weakref.ref(weight), stamp
 
     @property
     def exact_head_kernel(self) -> FewRowLinear | None:

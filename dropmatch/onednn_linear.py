@@ -57,6 +57,26 @@ def weight_stamp(weight: torch.Tensor) -> tuple[int, int]:
     return version, weight.data_ptr()
 
 
+class WeightWatch:
+    """Says whether a weight changed since it was last seen: another tensor (compared by identity, as a
+    freed weight's memory may be reused at the same version), or the same one with a new
+    :func:`weight_stamp`. The one test every copy derived from a weight uses to know it is stale."""
+
+    def __init__(self, weight: torch.Tensor | None = None):
+        self._ref: weakref.ref | None = None
+        self._stamp: tuple[int, int] | None = None
+        if weight is not None:
+            self.changed(weight)
+
+    def changed(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` differs from the one seen last (True at the first call); it is then the one seen."""
+        stamp = weight_stamp(weight)
+        if self._ref is not None and self._ref() is weight and stamp == self._stamp:
+            return False
+        self._ref, self._stamp = weakref.ref(weight), stamp
+        return True
+
+
 def few_row_weight(weight: torch.Tensor) -> bool:
     """Whether ``weight`` can take oneDNN's few-row path at all: float32 or (where the CPU runs it natively)
     bfloat16, on the CPU, with oneDNN's linear ops in this torch."""
@@ -80,7 +100,7 @@ class FewRowLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
-        self._packed_stamp: tuple[int, int] | None = None  # the weight's stamp when it was reordered
+        self._watch = WeightWatch()  # the weight as it was reordered
 
     def supports_weight(self) -> bool:
         """Whether the weight can take the oneDNN path at all (:func:`few_row_weight`)."""
@@ -94,10 +114,9 @@ class FewRowLinear:
     def prepack(self) -> None:
         """Reorder the weight for oneDNN now (it is otherwise done at the first few-row call), or again if it
         changed since (:func:`weight_stamp`)."""
-        stamp = weight_stamp(self.weight)
-        if (self.packed is None or stamp != self._packed_stamp) and self.supports_weight():
+        changed = self._watch.changed(self.weight)
+        if (self.packed is None or changed) and self.supports_weight():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.ROWS_HINT)
-            self._packed_stamp = stamp
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """The oneDNN product, for an input :meth:`applies` accepts."""
@@ -184,4 +203,4 @@ def unpack_linears(module: nn.Module) -> None:
 
 
 __all__ = ["MAX_ROWS", "bf16_matmul_supported", "FewRowLinear", "few_row_weight", "memory_key", "PackedForward", "shared_few_row_linear", "onednn_linear_supported", "pack_linears", "unpack_linears",
-           "weight_stamp"]
+           "WeightWatch", "weight_stamp"]

@@ -12,6 +12,7 @@ from torch import nn
 from dropmatch.onednn_linear import (
     MAX_ROWS,
     PackedForward,
+    WeightWatch,
     bf16_matmul_supported,
     onednn_linear_supported,
     pack_linears,
@@ -147,3 +148,16 @@ def test_a_shared_kernel_repacks_a_weight_changed_in_place():
         kernel(x)
         weight.mul_(-2)  # through the base tensor: the view's version moves with it
         torch.testing.assert_close(kernel(x), x @ weight[:200].T, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_watch_sees_another_tensor_over_the_same_memory_and_in_place_writes():
+    """An assigned Parameter may land at a freed weight's address with the same version: same stamp,
+    another tensor, so the watch reports a change; so does an in-place write; looking again does not."""
+    weight = torch.randn(4, 4)
+    watch = WeightWatch(weight)
+    assert not watch.changed(weight)
+    alias = weight.detach()  # the same memory and version counter, another tensor
+    assert watch.changed(alias) and not watch.changed(alias)
+    with torch.no_grad():
+        alias.mul_(2)
+    assert watch.changed(alias) and not watch.changed(alias)

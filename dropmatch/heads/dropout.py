@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from ..onednn_linear import (
     FewRowLinear,
+    WeightWatch,
     bf16_matmul_supported,
     memory_key,
     shared_few_row_linear,
@@ -211,7 +212,7 @@ class DropoutHead:
             sparse = expected_union_fraction(k, self.p_drop) <= sparse_max_fraction
         self.sparse = bool(sparse) and not softcap and not self.exact_rows
         self._norms: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._stamp = weight_stamp(self.weight)
+        self._watch = WeightWatch(self.weight)  # the weight as the copies below were derived from it
         self.max_row_norm = self._max_row_norm()
 
     # -- weights ---------------------------------------------------------------------------------
@@ -225,13 +226,11 @@ class DropoutHead:
         which every step does before computing heads. The heads hold the weight tensor they were given: a
         model whose head weight is replaced (an assigned ``.data`` or Parameter, ``load_state_dict(...,
         assign=True)``) needs new heads (build the method again)."""
-        stamp = weight_stamp(self.weight)
-        if stamp != self._stamp:
+        if self._watch.changed(self.weight):
             self._weight_c = self._weight_t = self._weight_blocks = None  # a copy given at construction too
             self._dense_kernel = self._rows_kernel = None
             self._norms = None
             self.max_row_norm = self._max_row_norm()
-            self._stamp = stamp
 
     @property
     def weight_c(self) -> torch.Tensor:
