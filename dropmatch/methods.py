@@ -203,8 +203,8 @@ def _default(name: str):
 
 def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None = None) -> DropoutHead:
     """K dropout heads on ``target``'s LM head, sharing its weight copy in the compute dtype. On a CPU with
-    oneDNN and a float32 head the heads take sparse float32 columns at small K p_drop, else K-row passes
-    (bfloat16 where native, see :class:`~dropmatch.heads.dropout.DropoutHead`)."""
+    oneDNN and a float32 head the heads take sparse columns at small K p_drop (bfloat16 where native),
+    else K-row passes (see :class:`~dropmatch.heads.dropout.DropoutHead`)."""
     dtype = _dtype(head_dtype, target.device) if head_dtype else default_head_dtype(target.head_weight)
     return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
                        weight_in_compute_dtype=target.head_weight_as(dtype))
@@ -212,7 +212,8 @@ def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None
 
 def _warn_if_dtype_unused(rule: DropMatch, head_dtype: str | None) -> None:
     """Say so where a CPU float32 head computes a greedy step's dropout heads in float32 although
-    ``head_dtype`` asked for another dtype (sparse float32 columns; float32 rows for JS criteria)."""
+    ``head_dtype`` asked for another dtype (sparse columns on CPUs without native bfloat16; float32 rows
+    for JS criteria)."""
     used = rule.heads_dtype(SamplingConfig())
     if head_dtype and used != _dtype(head_dtype, rule.head.weight.device):
         warnings.warn(f"--head-dtype {head_dtype} does not apply here: a CPU float32 head computes these dropout "

@@ -3,11 +3,22 @@ decides, it decides as ``decide`` does on the exact logits, for every error with
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from dropmatch.rules.divergence import js_divergence
-from dropmatch.rules.dropmatch import CRITERIA, certified_decide, decide, js_error_bound, log_normalizer_bound
+from dropmatch.rules.divergence import js_bounds, js_divergence
+from dropmatch.rules.dropmatch import (
+    CRITERIA,
+    _normalizer_interval,
+    _shift_sensitivity,
+    certified_decide,
+    decide,
+    js_error_bound,
+    log_normalizer_bound,
+    tail_certified_decide,
+)
 from dropmatch.sampling import SamplingConfig
 
 GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=0.8)
@@ -100,3 +111,98 @@ def test_bounds_hold_for_errors_of_tens_of_nats():
             eta = log_normalizer_bound(a, err) + err
             gap = abs(float(js_divergence(a.double(), b.double()) - js_divergence(a_exact.double(), b.double())))
             assert gap <= float(js_error_bound(a, b, eta)) + 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# tail_certified_decide: exact kept tokens, a bounded normalizer, the tail's mass
+
+
+def tail_case(seed: int, vocab: int = 3000, k: int = 5):
+    """Exact head logits (K, V) over a long tail, per-head error bounds (K,), computed logits off by up
+    to them at every token (random signs), a draft token, and draft logits from far off the heads to
+    almost on their centroid (so both verdicts occur, some near the boundary)."""
+    g = torch.Generator().manual_seed(seed)
+    base = 4 * torch.randn(vocab, generator=g)
+    base[: 1 + seed % 3] += 12  # a few likely tokens, a long tail of small mass
+    exact_logits = base + 0.15 * torch.randn(k, vocab, generator=g)
+    err = 0.5 * torch.rand(k, generator=g)
+    sign = torch.randint(0, 2, (k, vocab), generator=g) * 2 - 1
+    approx = exact_logits + sign * err[:, None] * torch.rand(k, vocab, generator=g)
+    closeness = float(torch.rand((), generator=g)) ** 3
+    draft_logits = exact_logits.mean(0) + closeness * 3 * torch.randn(vocab, generator=g)
+    token = int(exact_logits[int(seed % k)].argmax()) if seed % 2 else int(torch.randint(0, 4, (), generator=g))
+    return exact_logits, approx, err, token, draft_logits
+
+
+@pytest.mark.parametrize("criterion", CRITERIA)
+@pytest.mark.parametrize("q_is_logits", [True, False], ids=["draft-logits", "draft-probs"])
+def test_tail_certified_decisions_equal_exact_ones(criterion, q_is_logits):
+    verdicts = []
+    for seed in range(120):
+        exact_logits, approx, err, token, draft_logits = tail_case(seed)
+        draft = draft_logits if q_is_logits else torch.softmax(draft_logits, -1)
+        gathered = []
+
+        def exact_on(tokens, exact_logits=exact_logits, gathered=gathered):
+            gathered.append(tokens.numel())
+            return exact_logits[:, tokens]
+
+        verdict = tail_certified_decide(criterion, approx, err, exact_on, token, draft, q_is_logits)
+        if verdict is not None:
+            expected = decide(criterion, exact_logits, token, torch.softmax(draft_logits, -1), GREEDY,
+                              draft_logits=draft_logits if q_is_logits else None)
+            assert verdict == expected, seed
+            assert max(gathered) < exact_logits.shape[-1]  # decided from a kept subset, not the whole vocabulary
+        verdicts.append(verdict)
+    decided = [v for v in verdicts if v is not None]
+    assert len(decided) > 0.8 * len(verdicts)  # the bounds settle most cases
+    assert any(decided) and not all(decided)  # both verdicts occur: the comparison has teeth
+
+
+def test_tail_certified_understated_error_certifies_a_wrong_vote():
+    """Negative control: every head's true argmax computed 6 nats low. With the true bound it is made
+    exact and the vote is right; with a bound of 0 the draft token is taken for the heads' token, wrongly."""
+    exact_logits = torch.zeros(3, 200)
+    exact_logits[:, 0], exact_logits[:, 1] = 10.0, 10.5
+    approx = exact_logits.clone()
+    approx[:, 1] -= 6.0
+    exact_on = lambda tokens: exact_logits[:, tokens]  # noqa: E731
+    draft = torch.zeros(200)
+    assert decide("naive", exact_logits, 0, torch.softmax(draft, -1), GREEDY) is False
+    assert tail_certified_decide("naive", approx, torch.full((3,), 6.0), exact_on, 0, draft, True) is False
+    assert tail_certified_decide("naive", approx, torch.zeros(3), exact_on, 0, draft, True) is True
+
+
+def test_normalizer_interval_and_shift_sensitivity_hold():
+    """ln Z of logits exact on a kept subset and off by up to err elsewhere lies in the interval, the
+    tail mass below its bound; and the kept JS part moves by at most the shift sensitivity when each
+    side's log-probabilities all shift by one amount within its eta, far less than the per-token bound
+    charges when the distributions are close."""
+    g = torch.Generator().manual_seed(4)
+    ratios, missed = [], 0
+    for _ in range(100):
+        exact = 3 * torch.randn(2, 500, generator=g)
+        err = 0.6 * torch.rand(2, generator=g)
+        approx = exact + (2 * torch.rand(2, 500, generator=g) - 1) * err[:, None]
+        kept = torch.randperm(500, generator=g)[:50]
+        lo, hi, tail = _normalizer_interval(exact[:, kept], approx[:, kept], torch.logsumexp(approx.double(), -1), err)
+        true_log_z = torch.logsumexp(exact.double(), -1)
+        assert bool(((lo <= true_log_z + 1e-9) & (true_log_z <= hi + 1e-9)).all())
+        lo, hi, _ = _normalizer_interval(exact[:, kept], approx[:, kept], torch.logsumexp(approx.double(), -1), err / 4)
+        missed += int(((true_log_z < lo) | (true_log_z > hi)).sum())  # an understated error: the interval can miss
+        off = torch.ones(500, dtype=torch.bool)
+        off[kept] = False
+        assert bool((torch.softmax(exact.double(), -1)[:, off].sum(-1) <= tail + 1e-9).all())
+
+        logits = torch.randn(500, generator=g)
+        a = torch.softmax(logits + 0.05 * torch.randn(3, 500, generator=g), -1).double()[:, kept]
+        b = torch.softmax(logits, -1).double()[kept]
+        eta_a, eta_b = 0.01 * torch.rand(3, generator=g).double(), 0.01 * float(torch.rand((), generator=g))
+        bound = _shift_sensitivity(a, b, eta_a, torch.tensor(eta_b))
+        for sign_a, sign_b in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
+            moved = js_bounds(a * (sign_a * eta_a[:, None]).exp(), b * math.exp(sign_b * eta_b), torch.zeros(3), 0.0)[0]
+            assert bool(((moved - js_bounds(a, b, torch.zeros(3), 0.0)[0]).abs() <= bound + 1e-12).all())
+        per_token = js_error_bound(a, b.expand_as(a), torch.maximum(eta_a, torch.tensor(eta_b))[:, None].expand_as(a))
+        ratios.append(float((bound / per_token).max()))
+    assert missed > 0  # the interval is no wider than it must be for the stated error
+    assert max(ratios) < 0.2  # close distributions: the normalizer's shift moves JS far less than ~3 eta per unit mass

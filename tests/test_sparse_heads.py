@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from dropmatch.errors import ConfigError
 from dropmatch.heads.dropout import SPARSE_FLOAT32_MAX_DROPPED, DropoutHead
 from dropmatch.methods import Decoder, MethodConfig
-from dropmatch.onednn_linear import onednn_linear_supported
+from dropmatch.onednn_linear import bf16_matmul_supported, onednn_linear_supported
 from dropmatch.rules import RelaxedVerification, VerifyInput
 from dropmatch.rules.dropmatch import CRITERIA, DropMatch
 from dropmatch.sampling import SamplingConfig
@@ -255,9 +255,11 @@ def test_cost_rule_picks_sparse_at_small_p_and_masks_on_device():
     w = torch.randn(100, 640)
     assert DropoutHead(w, k=5, p_drop=0.032, exact_rows=False).sparse
     assert not DropoutHead(w, k=5, p_drop=0.3, exact_rows=False).sparse
-    if onednn_linear_supported():  # CPU float32: sparse float32 while few columns drop, else exact rows
+    if onednn_linear_supported():  # CPU float32: sparse heads while few columns drop, else exact rows
         few = DropoutHead(w, k=5, p_drop=0.032, compute_dtype=torch.bfloat16)
-        assert few.sparse and not few.exact_rows and few.compute_dtype == torch.float32
+        # bfloat16 corrections (certified) where the CPU has native bfloat16, else float32 (exact)
+        assert few.sparse and not few.exact_rows
+        assert few.compute_dtype == (torch.bfloat16 if bf16_matmul_supported() else torch.float32)
         many = DropoutHead(w, k=5, p_drop=0.3)
         assert many.exact_rows and not many.sparse
     assert not DropoutHead(w.bfloat16(), k=5, p_drop=0.032).exact_rows

@@ -16,8 +16,9 @@
    dropped-column heads at small p_drop or dense heads fused into the verification GEMM, both with
    certified decisions (the exact fallbacks per step are shown). Head overhead = extra head + rule time per step,
    as a percentage of the standard verify step. The standard step's head is screened (bfloat16 with an
-   exact argmax, where the CPU has native bfloat16); JS rules on float32 sparse heads take the float32
-   head instead, whose cost the row "standard (float32 head)" shows. Goal (issue 10): js+majority at
+   exact argmax, where the CPU has native bfloat16), and so is DropMatch's; the row "standard (float32
+   head)" shows what a rule that needs the float32 head pays (DropMatch's JS rules did, on float32
+   sparse heads, until 2026-12-06). Goal (issue 10): js+majority at
    most 5 % at p = 0.032 and 15 % at p = 0.3.
 3. The floor of each head path on this machine: the bytes a position's K heads must read (rows: the
    whole weight in the rows' dtype; sparse heads: the K p_drop d dropped rows of W^T, in expectation), the time of
@@ -49,7 +50,7 @@ from .common import format_table, gsm8k_fewshot_prompts
 
 
 class _Float32Standard(StandardVerification):
-    """Standard verification on the float32 head (what the JS rules on float32 sparse heads get)."""
+    """Standard verification on the float32 head (what a rule that cannot take screened logits gets)."""
 
     screened_logits_ok = False
 

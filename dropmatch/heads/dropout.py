@@ -27,14 +27,15 @@ that computes them directly:
     for: half the bytes (13.4 against 25.5 ms on a 2-core AMX Xeon), with each head's rounding bounded
     as the screened head's (:func:`~dropmatch.heads.screened.rounding_bound`), so the decisions are
     certified, or recomputed on float32 rows. ``DropMatch.rows_dtype`` takes them for greedy argmax
-    votes only: certifying a JS value costs more than the pass saves.
+    votes only: at p_drop = 0.3 the heads spread over so many tokens that certifying a JS value costs
+    more than the pass saves.
 
-**Default on a CPU with oneDNN and a float32 weight:** the sparse path in float32 (exact too: float32
-is the reference precision) while one position's K heads drop few columns in expectation
-(K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`; ~10 ms for K = 5 at p_drop = 0.032 on the embedded
-pair), else rows. Rows never read the clean logits; the sparse heads are exact on float32
-clean logits, which JS criteria ask for, and certified on screened ones (argmax votes, see
-``DropMatch.screened_logits_ok``).
+**Default on a CPU with oneDNN and a float32 weight:** the sparse path while one position's K heads drop
+few columns in expectation (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`), else rows. The sparse
+corrections are bfloat16 where the CPU has native bfloat16 and bfloat16 heads were asked for (half the
+bytes: 2.2 against 5.4 ms for K = 5 at p_drop = 0.032 on the embedded pair, 2-core AMX Xeon; decisions
+certified, see ``DropMatch``), else float32 (exact). Rows never read the clean logits; the sparse heads
+take the verify step's screened clean logits and certify their decisions.
 
 Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
 dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d
@@ -68,6 +69,7 @@ from .screened import rounding_bound
 
 SPARSE_MAX_FRACTION = 0.35
 # CPU float32 default: the sparse path while one position's K heads drop at most this many coordinates
+# (its corrections in bfloat16 where native, else float32; the crossover below was measured in float32)
 # in expectation (K p_drop, in units of d). Measured on the embedded pair (262k x 640, 2 cores): the
 # flat embedding-bag correction cost ~2 ms + 0.06 ms per dropped column (9.6 ms at K p = 0.19, 19 ms at
 # 0.48, 63 ms at 1.5) against 22-28 ms for the exact K-row pass (AVX-512 / AMX EPYC); on the 2-core AVX2
@@ -168,7 +170,7 @@ class DropoutHead:
         vocab_block: vocabulary columns per block of the CPU sparse path's transposed weight.
         exact_rows: compute each position's K heads directly with oneDNN's few-row GEMM (the rows path,
             see the module docstring); ``None`` with ``sparse=None``: on a float32 CPU weight with oneDNN,
-            rows or float32 sparse heads by K p_drop (``compute_dtype`` is then float32).
+            rows or sparse heads by K p_drop (sparse ones in float32 unless bfloat16 is asked for and native).
         rows_dtype: dtype of the rows path's GEMM; ``None``: bfloat16 where ``compute_dtype`` is bfloat16
             and the CPU has native bfloat16 GEMMs (certified decisions), else the weight's (exact).
     """
@@ -197,7 +199,7 @@ class DropoutHead:
             # two float32 (exact) paths on CPU: the dropped columns while they are few, else exact rows
             sparse = not softcap and k * self.p_drop <= SPARSE_FLOAT32_MAX_DROPPED
             exact_rows = not sparse
-            if sparse:
+            if sparse and not (self.compute_dtype == torch.bfloat16 and bf16_matmul_supported()):
                 self.compute_dtype = torch.float32
         self.exact_rows = bool(exact_rows)
         if rows_dtype is None:
@@ -212,6 +214,7 @@ class DropoutHead:
             sparse = expected_union_fraction(k, self.p_drop) <= sparse_max_fraction
         self.sparse = bool(sparse) and not softcap and not self.exact_rows
         self._norms: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._max_rounding = 0.0  # of the second of the norms, set with them
         self._watch = WeightWatch(self.weight)  # the weight as the copies below were derived from it
         self.max_row_norm = self._max_row_norm()
 
@@ -327,7 +330,7 @@ class DropoutHead:
         sums = F.embedding_bag((block * d + column).reshape(-1), blocks,
                                (block * column.numel() + sizes.cumsum(0) - sizes).reshape(-1), mode="sum",
                                per_sample_weights=weights.repeat(n_blocks))  # (n_blocks * n K, width)
-        sums = sums.float().view(n_blocks, n, k, width).permute(1, 2, 0, 3)  # (n, K, n_blocks, width)
+        sums = sums.view(n_blocks, n, k, width).permute(1, 2, 0, 3)  # (n, K, n_blocks, width), float32 once subtracted
         scaled = clean / (1.0 - self.p_drop)
         if n_blocks * width != vocab:  # the last block is padded
             scaled = F.pad(scaled, (0, n_blocks * width - vocab))
@@ -394,6 +397,7 @@ class DropoutHead:
                 norms.append(w.norm(dim=1))
                 rounding.append((w - w.to(torch.bfloat16).float()).norm(dim=1))
             self._norms = (torch.cat(norms), torch.cat(rounding))
+            self._max_rounding = float(self._norms[1].max())
         return self._norms
 
     def screened_clean_bounds(self, hidden: torch.Tensor, clean_logits: torch.Tensor) -> torch.Tensor:
@@ -413,12 +417,26 @@ class DropoutHead:
         inputs = rounding * hb_norm + norms * dh_norm + 2 * d * 2.0**-24 * (1 + u) * norms * hb_norm
         return 1.05 * inputs + 1.05 * u / (1 - u) * clean_logits.float().abs()
 
+    def screened_clean_bound_max(self, hidden: torch.Tensor, clean_logits: torch.Tensor) -> torch.Tensor:
+        """A bound (n, 1), in nats, on every token's entry of :meth:`screened_clean_bounds` (each of its
+        terms at its maximum over the vocabulary): one pass over the logits, where the per-token bounds take
+        several."""
+        self.row_norms()  # their maxima: self.max_row_norm, self._max_rounding
+        h = hidden.float()
+        h_b = h.to(torch.bfloat16).float()
+        hb_norm, dh_norm = h_b.norm(dim=-1, keepdim=True), (h_b - h).norm(dim=-1, keepdim=True)
+        u, d = 2.0**-8, self.weight.shape[1]
+        low, high = torch.aminmax(clean_logits.float(), dim=-1, keepdim=True)
+        inputs = (self._max_rounding * hb_norm + self.max_row_norm * dh_norm
+                  + 2 * d * 2.0**-24 * (1 + u) * self.max_row_norm * hb_norm)
+        return 1.05 * inputs + 1.05 * u / (1 - u) * torch.maximum(high, -low)
+
     def error_scale(self, fused: bool) -> float:
         """Factor from the clean logits' error to the head logits' (sparse: (W h - ...) / (1 - p))."""
         return 1.0 if (fused or not self.sparse) else 1.0 / (1.0 - self.p_drop)
 
     def product_bounds(self, hidden: torch.Tensor, masks: torch.Tensor, clean_logits: torch.Tensor,
-                       head_logits: torch.Tensor, fused: bool) -> torch.Tensor:
+                       head_logits: torch.Tensor, fused: bool, read_outputs: bool = True) -> torch.Tensor:
         """Bounds (n, K), in nats, on the rounding of the compute-dtype product in :meth:`logits`, before
         :meth:`error_scale` (dense: the perturbation rows; sparse: the gathered columns); a float32 product
         counts as exact (the reference precision). A head logit's error is at most
@@ -428,20 +446,24 @@ class DropoutHead:
             hidden, masks: (n, d) and (n, K, d) as for :meth:`logits`.
             clean_logits, head_logits: (n, V) and (n, K, V), the inputs and outputs of :meth:`logits`.
             fused: whether the dense products came from the verification GEMM (dense path).
+            read_outputs: bound the output rounding by the products' largest magnitude, read back from the
+                heads (several passes over them); ``False``: by max_v ||W_v|| ||x|| (Cauchy-Schwarz, no pass;
+                ~20x the products here, which adds about half the input rounding's bound).
         """
         if self.softcap or self.compute_dtype in (torch.float32, torch.float64):  # exact: weight precision or float32
             return torch.zeros(head_logits.shape[:2], device=hidden.device)
         h = hidden.float().unsqueeze(1)
-        clean = clean_logits.float().unsqueeze(1)  # (n, 1, V)
-        if fused or not self.sparse:
-            x_norm = (h * (keep_scale(masks, self.p_drop) - 1.0)).norm(dim=-1)  # (n, K): ||delta||
-            products = head_logits - clean  # W delta
+        dense = fused or not self.sparse
+        x_norm = (h * (keep_scale(masks, self.p_drop) - 1.0) if dense else h * ~masks).norm(dim=-1)  # (n, K): ||delta||, ||h_D||
+        if not read_outputs:  # |computed| <= (1 + input rounding) |exact| <= 1.01 max ||W_v|| ||x||
+            magnitude = 1.01 * self.max_row_norm * x_norm
         else:
-            x_norm = (h * ~masks).norm(dim=-1)  # (n, K): ||h_D||
-            products = clean - (1.0 - self.p_drop) * head_logits  # W[:, D] h_D
-        # The output rounding is relative to the products themselves, read back from the heads (+ the
-        # float32 rounding of that read-back). A zero input gives exactly zero products and no bound: at
-        # p_drop = 0 the heads are the clean logits, decided on as standard verification decides.
-        readback = 4 * 2.0**-23 * (clean.abs().amax(-1) + head_logits.abs().amax(-1))
-        magnitude = torch.where(x_norm > 0, products.abs().amax(-1) + readback, 0.0)
+            # The output rounding is relative to the products themselves (W delta, W[:, D] h_D), read back
+            # from the heads (+ the float32 rounding of that read-back). A zero input gives exactly zero
+            # products and no bound: at p_drop = 0 the heads are the clean logits, decided on as standard
+            # verification decides.
+            clean = clean_logits.float().unsqueeze(1)  # (n, 1, V)
+            products = head_logits - clean if dense else clean - (1.0 - self.p_drop) * head_logits
+            readback = 4 * 2.0**-23 * (clean.abs().amax(-1) + head_logits.abs().amax(-1))
+            magnitude = torch.where(x_norm > 0, products.abs().amax(-1) + readback, 0.0)
         return rounding_bound(self.compute_dtype, self.weight.shape[1], self.max_row_norm, x_norm, magnitude)

@@ -23,12 +23,19 @@ rule draws from right after the criterion (:class:`~dropmatch.rules.standard.Rel
 
 **Exact decisions on inexact logits.** Greedy verification may hand over screened bfloat16 logits
 (exact argmax, bfloat16 accuracy off the top tokens), and the bfloat16 perturbation / correction GEMMs
-add rounding. Each head logit then carries a rigorous bound eps_i (nats). At an evaluated position the
-tokens near each head's top are recomputed exactly (float32 rows of W), and the decision is taken
-only if the bounds certify it (:func:`certified_decide`: head argmaxes, per-head acceptance
-probabilities and the JS comparison with a bound on how far JS can move, see :func:`js_error_bound`);
-otherwise the K heads are recomputed exactly. Decisions therefore equal those computed from exact
-float32 head logits.
+add rounding. Each head logit then carries a rigorous bound (nats), and the decision is taken only
+where the bounds certify it; otherwise the K heads are recomputed exactly. Decisions therefore equal
+those computed from exact float32 head logits.
+
+* Greedy decoding (:func:`tail_certified_decide`, one bound per head): votes are the heads' exact
+  argmaxes among the tokens within twice the bound of each head's computed top. The JS test makes its
+  kept tokens exact (the likely tokens of the heads, the centroid and the draft: ~1-7k of 262k on the
+  embedded pair); what stays uncertain is each normalizer, over a tail of small mass known within
+  e^{+-bound}, and a normalizer's error moves the JS of close distributions little
+  (:func:`_shift_sensitivity`). On the embedded pair it decides all but ~1 % of the positions.
+* Sampling (:func:`certified_decide`, per-token bounds): the tokens near each head's top are made exact,
+  then head argmaxes, per-head acceptance probabilities and the JS comparison are bounded over the whole
+  vocabulary (how far JS can move: :func:`js_error_bound`).
 """
 
 from __future__ import annotations
@@ -326,6 +333,131 @@ def certified_decide(criterion: str, heads: torch.Tensor, eps: torch.Tensor, exa
     return None
 
 
+MIN_GATHERED = 4096  # kept tokens always made exact by a gather (on a small vocabulary: all of them)
+NORMALIZER_NOISE = 1e-5  # relative float32 rounding allowed in a normalizer summed over the vocabulary
+
+
+def _normalizer_interval(exact_kept: torch.Tensor, approx_kept: torch.Tensor, log_z_approx: torch.Tensor,
+                         err: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bounds on ln Z of rows whose logits are exact on the kept tokens and off by at most ``err`` (...,)
+    nats elsewhere: ``exact_kept``, ``approx_kept`` (..., m) the exact and computed logits of the kept
+    tokens, ``log_z_approx`` (...,) float64 the computed logits' ln Z. Returns (lo, hi, tail): ln Z in
+    [lo, hi] and the mass off the kept tokens at most ``tail``, (...,) float64 each.
+
+    Off the kept tokens the computed mass is Z~ - sum_kept e^{l~}; each of its terms is within a factor
+    e^{+-err} of the exact one (and the float32 sum Z~ within :data:`NORMALIZER_NOISE` of its value)."""
+    shift = log_z_approx.unsqueeze(-1)
+    kept = (exact_kept.double() - shift).exp().sum(-1)  # in units of Z~
+    tail = 1.0 - (approx_kept.double() - shift).exp().sum(-1)
+    err = err.double()
+    tail_hi = (tail + NORMALIZER_NOISE).clamp(min=0.0) * err.exp()
+    tail_lo = (tail - NORMALIZER_NOISE).clamp(min=0.0) * (-err).exp()
+    return (log_z_approx + (kept + tail_lo).log(), log_z_approx + (kept + tail_hi).log(),
+            tail_hi / (kept + tail_hi))
+
+
+def _shift_sensitivity(a: torch.Tensor, b: torch.Tensor, eta_a: torch.Tensor, eta_b: torch.Tensor) -> torch.Tensor:
+    """Bound on how far the kept part of JS(a || b) (:func:`~dropmatch.rules.divergence.js_bounds`) moves
+    when every log-probability of ``a`` (..., m) shifts by one amount within +-``eta_a`` (...,) and every
+    one of ``b`` (m,) by one within +-``eta_b``: a normalizer error, not a per-token one.
+
+    The kept part's derivative in a's shift is sum_v a'_v ln(a'_v / m'_v) / 2, and
+    |ln(a'/m') - ln(a/m)| <= eta_a + eta_b along the way (m = (a + b) / 2); so the change is at most
+    eta_a e^{eta_a} / 2 sum_v a_v (|ln(a_v / m_v)| + eta_a + eta_b), and the same for b. Near-equal
+    distributions move little (ln(a/m) ~ 0), where the per-token bound of :func:`js_error_bound` charges
+    ~3 eta for each unit of mass."""
+    eta_a, eta_b = eta_a.double().unsqueeze(-1), torch.as_tensor(eta_b, dtype=torch.float64)
+    mid = 0.5 * (a + b)
+    both = eta_a + eta_b
+
+    def side(p: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+        spread = torch.where(p > 0, p * ((p / mid).log().abs() + both), 0.0).sum(-1, keepdim=True)
+        return (0.5 * eta * eta.exp() * spread).squeeze(-1)
+
+    return side(a, eta_a) + side(b.expand_as(a), eta_b)
+
+
+def _gather_limit(vocab: int) -> float:
+    """Most tokens worth making exact by a gather: beyond it the exact heads over the whole vocabulary cost less."""
+    return max(JS_MAX_KEPT * vocab, MIN_GATHERED)
+
+
+def exact_argmaxes(approx: torch.Tensor, err: torch.Tensor, exact_on: Callable[[torch.Tensor], torch.Tensor],
+                   head_max: torch.Tensor) -> torch.Tensor | None:
+    """Each head's exact argmax (K,) from computed logits ``approx`` (K, V) off by at most ``err`` (K,) nats
+    (``head_max`` (V,): their maximum over the heads): the first maximum of the exact logits of the tokens
+    within twice its error of the head's computed top (no other token can reach the top token's exact
+    logit), or ``None`` if there are too many of them."""
+    reach = float((approx.amax(-1).double() - 2 * err).min()) - 1e-3  # the 1e-3: float32 rounding of the threshold
+    tokens = indices_at_least(head_max, reach)
+    if tokens.numel() > _gather_limit(approx.shape[-1]):
+        return None
+    return tokens[exact_on(tokens).argmax(-1)]  # tokens ascend, so ties go to the first, as over the vocabulary
+
+
+def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tensor,
+                          exact_on: Callable[[torch.Tensor], torch.Tensor], draft_token: int,
+                          q: torch.Tensor, q_is_logits: bool, majority: str = "strict") -> bool | None:
+    """The greedy decision of :func:`decide` on exact head logits, from computed ones, or ``None`` if the
+    bounds do not settle it.
+
+    Args:
+        approx: computed head logits (K, V), each off by at most its head's ``err`` (K,) nats.
+        exact_on: tokens (m,) -> the exact head logits there (K, m), for the few tokens that matter.
+        q: the draft distribution (V,), or its logits (``q_is_logits``), exact (read by JS criteria only).
+
+    Votes are the heads' exact argmaxes (:func:`exact_argmaxes`). The JS test is :func:`_bounded_js_verdict`'s
+    on a kept set of tokens made exact: the heads', the centroid's and the draft's likely tokens. What
+    the computed logits leave uncertain is then only each normalizer (:func:`_normalizer_interval`: the
+    rest of the vocabulary is a small mass known within e^{+-err}), whose effect on the kept JS terms
+    :func:`_shift_sensitivity` bounds; the mass off the kept tokens enters as in
+    :func:`~dropmatch.rules.divergence.js_bounds`. Unlike :func:`certified_decide`, no per-token bound
+    over the vocabulary is formed and the vocabulary is read a few times, so a decision on screened or
+    bfloat16 logits costs little more than on exact ones.
+    """
+    head_max = approx.amax(0) if approx.shape[0] > 1 else approx[0]
+    if criterion != "js":
+        tokens = exact_argmaxes(approx, err, exact_on, head_max)
+        if tokens is None:
+            return None
+        if _votes_decide(criterion, tokens == draft_token, tokens, draft_token, majority):
+            return True
+        if criterion != "js+majority":
+            return False
+    err = err.double()
+    log_z = _log_normalizers(approx)
+    centroid = centroid_logits(approx)
+    log_zc = _log_normalizers(centroid)
+    log_zq = float(_log_normalizers(q)) if q_is_logits else 0.0
+    draft_total = 1.0 if q_is_logits else float(q.sum(dtype=torch.float64))
+    for tail in JS_TAILS:
+        cut = math.log(tail)
+        floor = min(float(log_z.min()), float(log_zc)) + cut
+        tokens = torch.cat([indices_at_least(head_max, floor),
+                            indices_at_least(q, log_zq + cut if q_is_logits else tail)]).unique()
+        if tokens.numel() > _gather_limit(approx.shape[-1]):
+            return None
+        exact = exact_on(tokens).double()  # (K, m)
+        lo, hi, head_tails = _normalizer_interval(exact, approx.index_select(-1, tokens), log_z, err)
+        lo_c, hi_c, centre_tail = _normalizer_interval(exact.mean(0), centroid.index_select(-1, tokens), log_zc,
+                                                       err.mean())  # the centroid's logits are the heads' mean
+        eta, eta_c = 0.5 * (hi - lo), 0.5 * (hi_c - lo_c)
+        heads = (exact - (0.5 * (lo + hi)).unsqueeze(-1)).exp()
+        centre = (exact.mean(0) - 0.5 * (lo_c + hi_c)).exp()
+        draft = q.index_select(-1, tokens).double()
+        draft = (draft - log_zq).exp() if q_is_logits else draft
+        draft_tail = max(0.0, draft_total - float(draft.sum()))
+        radius_lo, radius_hi = js_bounds(heads, centre, head_tails, float(centre_tail))
+        radius_err = _shift_sensitivity(heads, centre, eta, eta_c)
+        draft_lo, draft_hi = js_bounds(draft.unsqueeze(0), centre, torch.tensor([draft_tail]), float(centre_tail))
+        draft_err = _shift_sensitivity(centre.unsqueeze(0), draft, eta_c.reshape(1), torch.zeros(()))
+        if float(draft_hi + draft_err) + JS_SLACK <= float((radius_lo - radius_err).max()) - JS_SLACK:
+            return True
+        if float(draft_lo - draft_err) - JS_SLACK > float((radius_hi + radius_err).max()) + JS_SLACK:
+            return False
+    return None
+
+
 @dataclass
 class DropMatchCounters:
     """What the exactness machinery did (for profiles): evaluated positions, exact fallbacks, refined tokens."""
@@ -360,13 +492,14 @@ class DropMatch:
         head: the K dropout heads.
         criterion, majority: see the module docstring.
         prefetch: dense path: positions whose rows ride in the verification GEMM / are computed together.
-        refine_margin: nats beyond twice the error bound within which tokens are made exact for JS.
-        escalation: extra margins (nats) tried in turn when a decision is not certified; each makes more
+        refine_margin: under sampling, nats beyond twice the error bound within which tokens are made
+            exact for JS.
+        escalation: under sampling, extra margins (nats) tried in turn when a decision is not certified; each makes more
             tokens exact (a gather of their rows), far cheaper than the K-row float32 head pass that
             follows when none certifies.
         max_refined: above this many tokens to make exact, the heads are recomputed exactly.
         screened_clean_logits: whether greedy verify steps may hand over screened clean logits
-            (:attr:`screened_logits_ok`); ``None``: yes, except for JS criteria on float32 sparse heads.
+            (:attr:`screened_logits_ok`); ``None``: yes.
     """
 
     def __init__(self, head: DropoutHead, criterion: str = "js+majority", majority: str = "strict",
@@ -384,14 +517,14 @@ class DropMatch:
     @property
     def screened_logits_ok(self) -> bool:
         """Whether greedy steps may give screened clean logits (decisions stay exact either way: they
-        are certified). Yes where that costs nothing or saves time: exact-row heads never read the clean
-        logits, argmax votes certify at a glance, dense bfloat16 heads ride in the screened GEMM. No for
-        JS on float32 sparse heads (CPU default at small p_drop), which are exact on float32 clean
-        logits but need the tokens near the top made exact on screened ones (embedded pair, p_drop =
-        0.032, K = 5: 32 ms a step on float32 clean logits against 39 ms on screened ones)."""
+        are certified). Yes unless told otherwise: exact-row heads never read the clean logits, dense
+        bfloat16 heads ride in the screened GEMM, and sparse heads certify on them at little cost
+        (:func:`tail_certified_decide`; embedded pair, js+majority, p_drop = 0.032, K = 5, 2-core AMX
+        Xeon: the float32 head a step cost 13.5 ms more than the screened one, the certification ~1 ms
+        a position)."""
         if self.screened_clean_logits is not None:
             return self.screened_clean_logits
-        return not (self.criterion in JS_CRITERIA and self.head.sparse and self.head.compute_dtype == torch.float32)
+        return True
 
     def rows_dtype(self, sampling: SamplingConfig) -> torch.dtype:
         """The dtype of the rows path's K-row GEMM (:attr:`DropoutHead.exact_rows`): the head's own
@@ -425,10 +558,14 @@ class DropMatch:
         return Prefetch(rows, masks)
 
     def _clean_bounds(self, inp: VerifyInput, rows: slice) -> torch.Tensor | None:
-        """Per-token bounds (n, V) on the error of the clean logits at ``rows`` when they are screened
-        (:attr:`VerifyInput.logits_screened`); ``None`` when they are float32 (or unused: soft-capping)."""
+        """Bounds on the error of the clean logits at ``rows`` when they are screened
+        (:attr:`VerifyInput.logits_screened`): one per row (n, 1) under greedy decoding, where
+        :func:`tail_certified_decide` reads no more, else per token (n, V); ``None`` when they are float32
+        (or unused: soft-capping)."""
         if not inp.logits_screened or self.head.softcap:
             return None
+        if inp.sampling.greedy:
+            return self.head.screened_clean_bound_max(inp.hidden[rows], inp.target_logits[rows])
         return self.head.screened_clean_bounds(inp.hidden[rows], inp.target_logits[rows])
 
     def _vote_thresholds(self, inp: VerifyInput) -> list[float] | None:
@@ -456,7 +593,8 @@ class DropMatch:
                 return
             logits = self.head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], products=products)
             from_gemm = products is not None
-            prod = self.head.product_bounds(inp.hidden[rows], masks[rows], inp.target_logits[rows], logits, from_gemm)
+            prod = self.head.product_bounds(inp.hidden[rows], masks[rows], inp.target_logits[rows], logits, from_gemm,
+                                            read_outputs=not inp.sampling.greedy)  # greedy: one bound per head
             clean = self._clean_bounds(inp, rows)  # (n, V) or None
             scale = self.head.error_scale(from_gemm)
             for i in range(logits.shape[0]):  # eps (K, V) or (K, 1): bounds on each head logit's error
@@ -477,13 +615,10 @@ class DropMatch:
             x = int(inp.draft_tokens[j])
             threshold = None if thresholds is None else thresholds[j]
             if float(eps.max()) > 0:
-                certifiable = inp.sampling.greedy or inp.sampling.top_p == 1  # top-p cuts are not continuous
-                needs_q = self.criterion in JS_CRITERIA or threshold is not None  # argmax votes never read q
-                q = inp.draft_distribution(j) if needs_q else None
-                for extra_margin in self.escalation if certifiable else ():  # a wider exact set before a full exact recomputation
-                    verdict = self._certified(j, logits, eps, x, q, inp, masks, threshold, extra_margin)
-                    if verdict is not None:
-                        return verdict
+                verdict = (self._tail_certified(j, logits, eps, x, inp, masks) if inp.sampling.greedy
+                           else self._escalated(j, logits, eps, x, inp, masks, threshold))
+                if verdict is not None:
+                    return verdict
                 self.counters.exact_fallbacks += 1
                 logits = self.head.exact_logits(inp.hidden[j : j + 1], masks[j : j + 1])[0]
             return decide(self.criterion, logits, x, lambda: inp.draft_distribution(j), inp.sampling, None,
@@ -498,6 +633,32 @@ class DropMatch:
         the target, and a tie rounded two ways could swing the votes.)"""
         self.counters.evaluations += 1
         return False
+
+    def _tail_certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, inp: VerifyInput,
+                        masks: torch.Tensor) -> bool | None:
+        """:func:`tail_certified_decide` at position j (greedy JS criteria), its kept tokens made exact."""
+        def exact_on(tokens: torch.Tensor) -> torch.Tensor:
+            self.counters.refined_tokens += int(tokens.numel())
+            return self.head.exact_on(inp.hidden[j : j + 1], masks[j : j + 1], tokens)[0]
+
+        draft_logits = inp.draft_logits_at(j)
+        q = inp.draft_distribution(j) if draft_logits is None else draft_logits
+        return tail_certified_decide(self.criterion, logits, eps.amax(-1), exact_on, x, q, draft_logits is not None,
+                                     self.majority)
+
+    def _escalated(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, inp: VerifyInput,
+                   masks: torch.Tensor, threshold: float | None) -> bool | None:
+        """Under sampling: :meth:`_certified` with the exact set widened in turn by :attr:`escalation`
+        (far cheaper than the K-row exact pass that follows when none certifies); ``None`` under top-p,
+        whose cut is not continuous in the logits."""
+        if inp.sampling.top_p < 1:
+            return None
+        q = inp.draft_distribution(j) if self.criterion in JS_CRITERIA or threshold is not None else None
+        for extra_margin in self.escalation:
+            verdict = self._certified(j, logits, eps, x, q, inp, masks, threshold, extra_margin)
+            if verdict is not None:
+                return verdict
+        return None
 
     def _certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, q: torch.Tensor,
                    inp: VerifyInput, masks: torch.Tensor, threshold: float | None,
