@@ -219,10 +219,12 @@ def test_bfloat16_product_bounds_hold_and_vanish_at_p_drop_zero(sparse):
         head = DropoutHead(weight, k=5, p_drop=p, compute_dtype=torch.bfloat16, sparse=sparse, exact_rows=False)
         masks = head.draw_masks(4, g)
         logits = head.logits(hidden, clean, masks)
-        bound = head.error_scale(False) * head.product_bounds(hidden, masks, clean, logits, fused=False)
         exact = F.linear(hidden.double().unsqueeze(1) * masks / (1 - p), weight.double())
-        assert ((logits.double() - exact).abs().amax(-1) <= bound.double() + 1e-4).all()
-        assert (bound == 0).all() == (p == 0.0)
+        for read_outputs in (True, False):  # the output rounding from the products read back, or Cauchy-Schwarz
+            bound = head.error_scale(False) * head.product_bounds(hidden, masks, clean, logits, fused=False,
+                                                                  read_outputs=read_outputs)
+            assert ((logits.double() - exact).abs().amax(-1) <= bound.double() + 1e-4).all()
+            assert (bound == 0).all() == (p == 0.0)
     for seed in range(10):
         weight, inp = random_case(seed, GREEDY, vocab=400, d=32)
         dm = DropMatch(DropoutHead(weight, k=5, p_drop=0.0, compute_dtype=torch.bfloat16, sparse=sparse,
@@ -301,8 +303,9 @@ def test_screened_tiny_pair_decisions_equal_exact(tiny):
 
 
 def test_screened_clean_bounds_hold_per_token():
-    """The per-token bound on the screened head's bfloat16 logits holds at every token, and is tighter
-    than the one-number bound (largest row norm, largest logit) at most of them."""
+    """The per-token bound on the screened head's bfloat16 logits holds at every token, is covered by the
+    one number per row that greedy certification reads, and is tighter than the screened head's own
+    one-number bound (largest row norm, largest logit) at most tokens."""
     from dropmatch.heads.screened import ScreenedHead, rounding_bound
 
     g = torch.Generator().manual_seed(0)
@@ -312,8 +315,10 @@ def test_screened_clean_bounds_hold_per_token():
         hidden = 10 * torch.randn(6, 64, generator=g)
         approx = ScreenedHead(weight, refine_margin=0.0)(hidden)
         exact = (hidden.double() @ weight.double().T).float()
-        bound = DropoutHead(weight, k=5, p_drop=0.03).screened_clean_bounds(hidden, approx)
+        head = DropoutHead(weight, k=5, p_drop=0.03)
+        bound = head.screened_clean_bounds(hidden, approx)
         assert bool(((approx - exact).abs() <= bound).all())
+        assert bool((bound <= head.screened_clean_bound_max(hidden, approx)).all())  # one number per row covers them
         one_number = rounding_bound(torch.bfloat16, 64, float(weight.norm(dim=1).max()), hidden.norm(dim=-1, keepdim=True),
                                     approx.abs().amax(-1, keepdim=True))
         tighter.append(float((bound < one_number).float().mean()))
