@@ -406,7 +406,8 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
         exact_on: tokens (m,) -> the exact head logits there (K, m), for the few tokens that matter.
         q: the draft distribution (V,), or its logits (``q_is_logits``), exact (read by JS criteria only).
 
-    Votes are the heads' exact argmaxes (:func:`exact_argmaxes`). The JS test is :func:`_bounded_js_verdict`'s
+    Votes are the heads' exact argmaxes (for js+majority from the JS test's gather where it holds every
+    token that could be one, else :func:`exact_argmaxes`). The JS test is :func:`_bounded_js_verdict`'s
     on a kept set of tokens made exact: the heads', the centroid's and the draft's likely tokens. What
     the computed logits leave uncertain is then only each normalizer (:func:`_normalizer_interval`: the
     rest of the vocabulary is a small mass known within e^{+-err}), whose effect on the kept JS terms
@@ -416,14 +417,10 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     bfloat16 logits costs little more than on exact ones.
     """
     head_max = approx.amax(0) if approx.shape[0] > 1 else approx[0]
-    if criterion != "js":
+    if criterion not in JS_CRITERIA:
         tokens = exact_argmaxes(approx, err, exact_on, head_max)
-        if tokens is None:
-            return None
-        if _votes_decide(criterion, tokens == draft_token, tokens, draft_token, majority):
-            return True
-        if criterion != "js+majority":
-            return False
+        return None if tokens is None else _votes_decide(criterion, tokens == draft_token, tokens, draft_token, majority)
+    votes_pending = criterion == "js+majority"
     err = err.double()
     log_z = _log_normalizers(approx)
     centroid = centroid_logits(approx)
@@ -438,6 +435,18 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
         if tokens.numel() > _gather_limit(approx.shape[-1]):
             return None
         exact = exact_on(tokens).double()  # (K, m)
+        if votes_pending:  # the heads' argmaxes, from this gather where it holds them
+            votes_pending = False
+            top = exact.argmax(-1)  # first maxima: tokens ascend, as over the vocabulary
+            # a head's true argmax t has approx_t >= exact top - err: kept if that clears the cut
+            if bool((exact.gather(-1, top.unsqueeze(-1)).squeeze(-1) - err >= floor + 1e-3).all()):
+                argmaxes = tokens[top]
+            else:
+                argmaxes = exact_argmaxes(approx, err, exact_on, head_max)
+                if argmaxes is None:
+                    return None
+            if _votes_decide(criterion, argmaxes == draft_token, argmaxes, draft_token, majority):
+                return True
         lo, hi, head_tails = _normalizer_interval(exact, approx.index_select(-1, tokens), log_z, err)
         lo_c, hi_c, centre_tail = _normalizer_interval(exact.mean(0), centroid.index_select(-1, tokens), log_zc,
                                                        err.mean())  # the centroid's logits are the heads' mean
