@@ -259,9 +259,11 @@ def test_cost_rule_picks_sparse_at_small_p_and_masks_on_device():
     assert not DropoutHead(w, k=5, p_drop=0.3, exact_rows=False).sparse
     if onednn_linear_supported():  # CPU float32: sparse heads while few columns drop, else exact rows
         few = DropoutHead(w, k=5, p_drop=0.032, compute_dtype=torch.bfloat16)
-        # bfloat16 corrections (certified) where the CPU has native bfloat16, else float32 (exact)
-        assert few.sparse and not few.exact_rows
-        assert few.compute_dtype == (torch.bfloat16 if bf16_matmul_supported() else torch.float32)
+        # exact float32 corrections (sampling), greedy ones in bfloat16 (certified) where native
+        assert few.sparse and not few.exact_rows and few.compute_dtype == torch.float32
+        assert few.sparse_dtype == (torch.bfloat16 if bf16_matmul_supported() else torch.float32)
+        assert DropMatch(few).corrections_dtype(SamplingConfig(0.8, 1.0)) == torch.float32
+        assert DropMatch(few).corrections_dtype(SamplingConfig()) == few.sparse_dtype
         many = DropoutHead(w, k=5, p_drop=0.3)
         assert many.exact_rows and not many.sparse
     assert not DropoutHead(w.bfloat16(), k=5, p_drop=0.032).exact_rows
@@ -347,7 +349,7 @@ def test_dropout_heads_follow_a_weight_changed_in_place(path):
 
     heads()
     head.row_norms()  # the screened-clean bounds' norms, built on the old weight
-    held = head._weight_blocks  # a twin head built before the change would still hold the old copy
+    held = head._blocks.get(head.compute_dtype)  # a twin head built before the change would still hold the old copy
     with torch.no_grad():
         weight.copy_(torch.randn(300, 32, generator=g) * 3)
     err, bounds = heads()
@@ -356,3 +358,22 @@ def test_dropout_heads_follow_a_weight_changed_in_place(path):
     assert held is None or head.weight_blocks is not held
     torch.testing.assert_close(head.row_norms()[0], weight.norm(dim=1))  # what the bounds scale with
     assert head.max_row_norm == pytest.approx(float(weight.norm(dim=1).max()))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampled_steps_take_exact_sparse_corrections_on_the_cpu_default(top_p):
+    """The CPU default's sparse heads correct in bfloat16 only under greedy decoding (one bound per head
+    certifies); under sampling they take the exact float32 corrections, so no position needs a certificate
+    (under top-p none exists: each would be recomputed by the K-row pass)."""
+    if not onednn_linear_supported():
+        pytest.skip("the CPU default's two float32 paths need oneDNN")
+    sampling = SamplingConfig(0.8, top_p)
+    evaluations = 0
+    for seed in range(10):
+        weight, inp = random_case(seed, sampling, vocab=400, d=32)
+        rule = DropMatch(DropoutHead(weight, k=5, p_drop=0.03), "js+majority")
+        assert rule.head.sparse and rule.corrections_dtype(sampling) == torch.float32
+        RelaxedVerification(rule).verify(_with(inp, seed))
+        evaluations += rule.counters.evaluations
+        assert rule.counters.exact_fallbacks == 0 and rule.counters.refined_tokens == 0
+    assert evaluations > 0

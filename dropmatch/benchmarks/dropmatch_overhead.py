@@ -156,7 +156,7 @@ def read_floor(head: DropoutHead, rows_dtype: torch.dtype | None = None) -> tupl
         data = head.weight_in(rows_dtype or head.rows_dtype)
     elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary
         columns = max(1, round(head.k * head.p_drop * head.weight.shape[1]))
-        data = head.weight_blocks.view(-1)[: columns * head.weight.shape[0]]
+        data = head.blocks_in(head.sparse_dtype).view(-1)[: columns * head.weight.shape[0]]  # greedy corrections
     else:
         return 0.0, 0.0
     return data.numel() * data.element_size() / 1e6, streaming_read_ms(data)

@@ -32,9 +32,10 @@ that computes them directly:
 
 **Default on a CPU with oneDNN and a float32 weight:** the sparse path while one position's K heads drop
 few columns in expectation (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`), else rows. The sparse
-corrections are bfloat16 where the CPU has native bfloat16 and bfloat16 heads were asked for (half the
-bytes: 2.2 against 5.4 ms for K = 5 at p_drop = 0.032 on the embedded pair, 2-core AMX Xeon; decisions
-certified, see ``DropMatch``), else float32 (exact). Rows never read the clean logits; the sparse heads
+corrections are float32 (exact); under greedy decoding they are bfloat16 (:attr:`DropoutHead.sparse_dtype`)
+where the CPU has native bfloat16 and bfloat16 heads were asked for (half the bytes: 2.2 against 5.4 ms
+for K = 5 at p_drop = 0.032 on the embedded pair, 2-core AMX Xeon; decisions certified on one bound per
+head, see ``DropMatch.corrections_dtype``). Rows never read the clean logits; the sparse heads
 take the verify step's screened clean logits and certify their decisions.
 
 Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
@@ -173,13 +174,18 @@ class DropoutHead:
             rows or sparse heads by K p_drop (sparse ones in float32 unless bfloat16 is asked for and native).
         rows_dtype: dtype of the rows path's GEMM; ``None``: bfloat16 where ``compute_dtype`` is bfloat16
             and the CPU has native bfloat16 GEMMs (certified decisions), else the weight's (exact).
+        sparse_dtype: dtype of the sparse corrections where decisions are certified on one bound per head
+            (greedy, ``DropMatch.corrections_dtype``); ``None``: the compute dtype, except for the CPU
+            float32 default, whose exact float32 corrections become bfloat16 there where bfloat16 was asked
+            for and is native.
     """
 
     def __init__(self, weight: torch.Tensor, k: int = 5, p_drop: float = 0.3,
                  compute_dtype: torch.dtype | None = None, softcap: float | None = None,
                  weight_in_compute_dtype: torch.Tensor | None = None, sparse: bool | None = None,
                  sparse_max_fraction: float = SPARSE_MAX_FRACTION, exact_rows: bool | None = None,
-                 vocab_block: int = VOCAB_BLOCK, rows_dtype: torch.dtype | None = None):
+                 vocab_block: int = VOCAB_BLOCK, rows_dtype: torch.dtype | None = None,
+                 sparse_dtype: torch.dtype | None = None):
         check_dropout_args(k, p_drop)
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ConfigError(f"an LM-head weight is a floating-point (V, d) matrix, got {weight.dtype} "
@@ -191,7 +197,7 @@ class DropoutHead:
         self.weight = weight.detach()
         self._weight_c: torch.Tensor | None = weight_in_compute_dtype
         self._weight_t: torch.Tensor | None = None
-        self._weight_blocks: torch.Tensor | None = None
+        self._blocks: dict[torch.dtype, torch.Tensor] = {}  # W^T in vocabulary blocks, per dtype
         self._dense_kernel: FewRowLinear | None = None
         self._exact_linear = shared_few_row_linear(weight)  # oneDNN for exact heads on CPU, one copy per weight
         if (exact_rows is None and sparse is None and weight.dtype == torch.float32
@@ -199,8 +205,11 @@ class DropoutHead:
             # two float32 (exact) paths on CPU: the dropped columns while they are few, else exact rows
             sparse = not softcap and k * self.p_drop <= SPARSE_FLOAT32_MAX_DROPPED
             exact_rows = not sparse
-            if sparse and not (self.compute_dtype == torch.bfloat16 and bf16_matmul_supported()):
+            if sparse:  # exact corrections; greedy ones in bfloat16 where native (certified)
+                native = self.compute_dtype == torch.bfloat16 and bf16_matmul_supported()
+                sparse_dtype = sparse_dtype or (torch.bfloat16 if native else torch.float32)
                 self.compute_dtype = torch.float32
+        self.sparse_dtype = sparse_dtype or self.compute_dtype
         self.exact_rows = bool(exact_rows)
         if rows_dtype is None:
             native_bf16 = weight.device.type == "cpu" and bf16_matmul_supported()
@@ -230,7 +239,8 @@ class DropoutHead:
         model whose head weight is replaced (an assigned ``.data`` or Parameter, ``load_state_dict(...,
         assign=True)``) needs new heads (build the method again)."""
         if self._watch.changed(self.weight):
-            self._weight_c = self._weight_t = self._weight_blocks = None  # a copy given at construction too
+            self._weight_c = self._weight_t = None  # a copy given at construction too
+            self._blocks = {}
             self._dense_kernel = self._rows_kernel = None
             self._norms = None
             self.max_row_norm = self._max_row_norm()
@@ -266,11 +276,15 @@ class DropoutHead:
 
     @property
     def weight_blocks(self) -> torch.Tensor:
-        """W^T in vocabulary blocks (n_blocks * d, width), compute dtype (CPU sparse path; built once, see
+        """W^T in vocabulary blocks (n_blocks * d, width), compute dtype (CPU sparse path)."""
+        return self.blocks_in(self.compute_dtype)
+
+    def blocks_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """W^T in vocabulary blocks (n_blocks * d, width) in ``dtype`` (built once per dtype, see
         :func:`shared_column_blocks`)."""
-        if self._weight_blocks is None:
-            self._weight_blocks = shared_column_blocks(self.weight, self.compute_dtype, self.vocab_block)
-        return self._weight_blocks
+        if dtype not in self._blocks:
+            self._blocks[dtype] = shared_column_blocks(self.weight, dtype, self.vocab_block)
+        return self._blocks[dtype]
 
     # -- randomness ------------------------------------------------------------------------------
     def draw_masks(self, n_positions: int, generator: torch.Generator, consume: bool = True) -> torch.Tensor:
@@ -299,9 +313,11 @@ class DropoutHead:
         return clean_logits.unsqueeze(1) + products.float().view(n, self.k, -1)
 
     # -- sparse path -----------------------------------------------------------------------------
-    def sparse_logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    def sparse_logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
         """Head logits (n, K, V) float32, ``(W h - W[:, D_i] h_{D_i}) / (1 - p)``, from ``hidden`` (n, d), the
-        clean logits (n, V) and ``masks`` (n, K, d).
+        clean logits (n, V) and ``masks`` (n, K, d); the corrections in ``dtype`` on CPUs (default: the
+        compute dtype).
 
         On CPUs the corrections are embedding bags over the rows of the blocked W^T (no gathered copy), one
         bag per vocabulary block and head; elsewhere one gathered matrix over the union of the dropped
@@ -318,7 +334,7 @@ class DropoutHead:
             columns = self.weight_t.index_select(0, union)  # (|U|, V)
             corrections = torch.mm(coeffs.to(columns.dtype), columns).float().view(n, k, -1)
             return torch.sub(clean, corrections, out=corrections).div_(1.0 - self.p_drop)
-        blocks = self.weight_blocks
+        blocks = self.blocks_in(dtype or self.compute_dtype)
         width, n_blocks, vocab = blocks.shape[1], blocks.shape[0] // d, clean.shape[-1]
         bags = dropped.reshape(n * k, d)
         bag, column = bags.nonzero(as_tuple=True)  # ordered by bag
@@ -340,7 +356,7 @@ class DropoutHead:
 
     # -- heads -----------------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,
-               products: torch.Tensor | None = None) -> torch.Tensor:
+               products: torch.Tensor | None = None, sparse_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Head logits (n, K, V) float32.
 
         Args:
@@ -349,13 +365,14 @@ class DropoutHead:
             masks: keep-masks (n, K, d) from :meth:`draw_masks`.
             products: ``W @ perturbation_inputs(hidden, masks).T`` if already computed (e.g. fused
                 into the verification GEMM): the dense path is then taken whatever :attr:`sparse` says.
+            sparse_dtype: the sparse corrections' dtype (default: the compute dtype).
         """
         if self.softcap:  # capped logits are not additive in the perturbation: compute directly
             return self.exact_logits(hidden, masks)
         if products is not None:
             return self.combine(clean_logits, products)
         if self.sparse:
-            return self.sparse_logits(hidden, clean_logits, masks)
+            return self.sparse_logits(hidden, clean_logits, masks, sparse_dtype)
         return self.combine(clean_logits, self.dense_kernel(self.perturbation_inputs(hidden, masks)))
 
     def exact_logits(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -436,7 +453,8 @@ class DropoutHead:
         return 1.0 if (fused or not self.sparse) else 1.0 / (1.0 - self.p_drop)
 
     def product_bounds(self, hidden: torch.Tensor, masks: torch.Tensor, clean_logits: torch.Tensor,
-                       head_logits: torch.Tensor, fused: bool, read_outputs: bool = True) -> torch.Tensor:
+                       head_logits: torch.Tensor, fused: bool, read_outputs: bool = True,
+                       sparse_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Bounds (n, K), in nats, on the rounding of the compute-dtype product in :meth:`logits`, before
         :meth:`error_scale` (dense: the perturbation rows; sparse: the gathered columns); a float32 product
         counts as exact (the reference precision). A head logit's error is at most
@@ -449,14 +467,18 @@ class DropoutHead:
             read_outputs: bound the output rounding by the products' largest magnitude, read back from the
                 heads (several passes over them); ``False``: by max_v ||W_v|| ||x|| (Cauchy-Schwarz, no pass;
                 ~20x the products here, which adds about half the input rounding's bound).
+            sparse_dtype: the sparse corrections' dtype, as given to :meth:`logits`.
         """
-        if self.softcap or self.compute_dtype in (torch.float32, torch.float64):  # exact: weight precision or float32
+        dense = fused or not self.sparse
+        dtype = self.compute_dtype if dense else sparse_dtype or self.compute_dtype
+        if self.softcap or dtype in (torch.float32, torch.float64):  # exact: weight precision or float32
             return torch.zeros(head_logits.shape[:2], device=hidden.device)
         h = hidden.float().unsqueeze(1)
-        dense = fused or not self.sparse
         x_norm = (h * (keep_scale(masks, self.p_drop) - 1.0) if dense else h * ~masks).norm(dim=-1)  # (n, K): ||delta||, ||h_D||
-        if not read_outputs:  # |computed| <= (1 + input rounding) |exact| <= 1.01 max ||W_v|| ||x||
-            magnitude = 1.01 * self.max_row_norm * x_norm
+        d = self.weight.shape[1]
+        if not read_outputs:  # |computed| <= (1 + u) (|exact| + input rounding), u <= 2^-8; |exact| <= max ||W_v|| ||x||
+            reach = self.max_row_norm * x_norm
+            magnitude = 1.01 * (reach + rounding_bound(dtype, d, self.max_row_norm, x_norm, torch.zeros(())))
         else:
             # The output rounding is relative to the products themselves (W delta, W[:, D] h_D), read back
             # from the heads (+ the float32 rounding of that read-back). A zero input gives exactly zero
@@ -466,4 +488,4 @@ class DropoutHead:
             products = head_logits - clean if dense else clean - (1.0 - self.p_drop) * head_logits
             readback = 4 * 2.0**-23 * (clean.abs().amax(-1) + head_logits.abs().amax(-1))
             magnitude = torch.where(x_norm > 0, products.abs().amax(-1) + readback, 0.0)
-        return rounding_bound(self.compute_dtype, self.weight.shape[1], self.max_row_norm, x_norm, magnitude)
+        return rounding_bound(dtype, d, self.max_row_norm, x_norm, magnitude)

@@ -404,7 +404,8 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     Args:
         approx: computed head logits (K, V), each off by at most its head's ``err`` (K,) nats.
         exact_on: tokens (m,) -> the exact head logits there (K, m), for the few tokens that matter.
-        q: the draft distribution (V,), or its logits (``q_is_logits``), exact (read by JS criteria only).
+        q: the draft distribution (V,), exact, or its logits (``q_is_logits``), whose float32 normalizer is
+            charged :data:`NORMALIZER_NOISE` (read by JS criteria only).
 
     Votes are the heads' exact argmaxes (for js+majority from the JS test's gather where it holds every
     token that could be one, else :func:`exact_argmaxes`). The JS test is :func:`_bounded_js_verdict`'s
@@ -426,6 +427,7 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     centroid = centroid_logits(approx)
     log_zc = _log_normalizers(centroid)
     log_zq = float(_log_normalizers(q)) if q_is_logits else 0.0
+    eta_q = torch.tensor(NORMALIZER_NOISE if q_is_logits else 0.0, dtype=torch.float64)  # ln Z from a float32 sum
     draft_total = 1.0 if q_is_logits else float(q.sum(dtype=torch.float64))
     for tail in JS_TAILS:
         cut = math.log(tail)
@@ -455,11 +457,11 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
         centre = (exact.mean(0) - 0.5 * (lo_c + hi_c)).exp()
         draft = q.index_select(-1, tokens).double()
         draft = (draft - log_zq).exp() if q_is_logits else draft
-        draft_tail = max(0.0, draft_total - float(draft.sum()))
+        draft_tail = max(0.0, draft_total - float(draft.sum()) * math.exp(-float(eta_q)))
         radius_lo, radius_hi = js_bounds(heads, centre, head_tails, float(centre_tail))
         radius_err = _shift_sensitivity(heads, centre, eta, eta_c)
         draft_lo, draft_hi = js_bounds(draft.unsqueeze(0), centre, torch.tensor([draft_tail]), float(centre_tail))
-        draft_err = _shift_sensitivity(centre.unsqueeze(0), draft, eta_c.reshape(1), torch.zeros(()))
+        draft_err = _shift_sensitivity(centre.unsqueeze(0), draft, eta_c.reshape(1), eta_q)
         if float(draft_hi + draft_err) + JS_SLACK <= float((radius_lo - radius_err).max()) - JS_SLACK:
             return True
         if float(draft_lo - draft_err) - JS_SLACK > float((radius_hi + radius_err).max()) + JS_SLACK:
@@ -545,10 +547,19 @@ class DropMatch:
             return self.head.rows_dtype
         return self.head.weight.dtype
 
+    def corrections_dtype(self, sampling: SamplingConfig) -> torch.dtype:
+        """The dtype of the sparse path's corrections: the head's :attr:`~DropoutHead.sparse_dtype` under
+        greedy decoding, whose decisions certify on one bound per head (bfloat16 on native-bfloat16 CPUs),
+        else its compute dtype (float32 on the CPU default: per-token certificates under sampling cost
+        more than the bfloat16 read saves, and under top-p they do not exist)."""
+        return self.head.sparse_dtype if sampling.greedy else self.head.compute_dtype
+
     def heads_dtype(self, sampling: SamplingConfig) -> torch.dtype:
         """The dtype of the GEMM that gives the K heads under ``sampling``: :meth:`rows_dtype` on the rows
-        path, else the head's compute dtype."""
-        return self.rows_dtype(sampling) if self.head.exact_rows else self.head.compute_dtype
+        path, :meth:`corrections_dtype` on the sparse path, else the head's compute dtype."""
+        if self.head.exact_rows:
+            return self.rows_dtype(sampling)
+        return self.corrections_dtype(sampling) if self.head.sparse else self.head.compute_dtype
 
     def draw(self, inp: VerifyInput) -> torch.Tensor:
         """Masks (L, K, d) of the step (prefetched, or drawn now from the step generator)."""
@@ -600,10 +611,11 @@ class DropMatch:
                 logits, bounds = self.head.row_logits(inp.hidden[rows], masks[rows], self.rows_dtype(inp.sampling))
                 heads.update({rows.start + i: (logits[i], bounds[i].unsqueeze(-1)) for i in range(logits.shape[0])})
                 return
-            logits = self.head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], products=products)
+            dtype = self.corrections_dtype(inp.sampling)
+            logits = self.head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], products, dtype)
             from_gemm = products is not None
             prod = self.head.product_bounds(inp.hidden[rows], masks[rows], inp.target_logits[rows], logits, from_gemm,
-                                            read_outputs=not inp.sampling.greedy)  # greedy: one bound per head
+                                            read_outputs=not inp.sampling.greedy, sparse_dtype=dtype)  # greedy: one bound per head
             clean = self._clean_bounds(inp, rows)  # (n, V) or None
             scale = self.head.error_scale(from_gemm)
             for i in range(logits.shape[0]):  # eps (K, V) or (K, 1): bounds on each head logit's error
@@ -623,9 +635,14 @@ class DropMatch:
             logits, eps = heads[j]
             x = int(inp.draft_tokens[j])
             threshold = None if thresholds is None else thresholds[j]
-            if float(eps.max()) > 0:
-                verdict = (self._tail_certified(j, logits, eps, x, inp, masks) if inp.sampling.greedy
-                           else self._escalated(j, logits, eps, x, inp, masks, threshold))
+            bound = float(eps.max())
+            if bound != 0:  # inexact heads; a bound that is not finite certifies nothing
+                if not math.isfinite(bound):
+                    verdict = None
+                elif inp.sampling.greedy:
+                    verdict = self._tail_certified(j, logits, eps, x, inp, masks)
+                else:
+                    verdict = self._escalated(j, logits, eps, x, inp, masks, threshold)
                 if verdict is not None:
                     return verdict
                 self.counters.exact_fallbacks += 1
