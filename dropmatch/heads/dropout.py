@@ -70,8 +70,8 @@ from .screened import rounding_bound
 
 SPARSE_MAX_FRACTION = 0.35
 # CPU float32 default: the sparse path while one position's K heads drop at most this many coordinates
-# (its corrections in bfloat16 where native, else float32; the crossover below was measured in float32)
-# in expectation (K p_drop, in units of d). Measured on the embedded pair (262k x 640, 2 cores): the
+# in expectation (K p_drop, in units of d); its greedy corrections are bfloat16 where native, and the
+# crossover below was measured in float32. Measured on the embedded pair (262k x 640, 2 cores): the
 # flat embedding-bag correction cost ~2 ms + 0.06 ms per dropped column (9.6 ms at K p = 0.19, 19 ms at
 # 0.48, 63 ms at 1.5) against 22-28 ms for the exact K-row pass (AVX-512 / AMX EPYC); on the 2-core AVX2
 # EPYC of 2026-12-04 the blocked sparse heads take 9.7, 25, 46 and 63 ms at K p = 0.16, 0.5, 1.0 and 1.5
@@ -427,26 +427,27 @@ class DropoutHead:
         times 1.05 for slack. Tokens the screened head recomputed in float32 are bounded too (conservative).
         """
         norms, rounding = self.row_norms()
-        h = hidden.float()
-        h_b = h.to(torch.bfloat16).float()
-        hb_norm, dh_norm = h_b.norm(dim=-1, keepdim=True), (h_b - h).norm(dim=-1, keepdim=True)  # (n, 1)
-        u, d = 2.0**-8, self.weight.shape[1]
-        inputs = rounding * hb_norm + norms * dh_norm + 2 * d * 2.0**-24 * (1 + u) * norms * hb_norm
-        return 1.05 * inputs + 1.05 * u / (1 - u) * clean_logits.float().abs()
+        return self._screened_bound(hidden, norms, rounding, clean_logits.float().abs())
 
     def screened_clean_bound_max(self, hidden: torch.Tensor, clean_logits: torch.Tensor) -> torch.Tensor:
         """A bound (n, 1), in nats, on every token's entry of :meth:`screened_clean_bounds` (each of its
         terms at its maximum over the vocabulary): one pass over the logits, where the per-token bounds take
         several."""
         self.row_norms()  # their maxima: self.max_row_norm, self._max_rounding
+        low, high = torch.aminmax(clean_logits.float(), dim=-1, keepdim=True)
+        return self._screened_bound(hidden, self.max_row_norm, self._max_rounding, torch.maximum(high, -low))
+
+    def _screened_bound(self, hidden: torch.Tensor, norms: torch.Tensor | float, rounding: torch.Tensor | float,
+                        magnitude: torch.Tensor) -> torch.Tensor:
+        """The bound of :meth:`screened_clean_bounds` from row norms ||W_v||, their bfloat16 rounding
+        ||W~_v - W_v|| and output magnitudes |y~_v|, per token (V,) or one number each, broadcast against
+        the rows (n, 1) of ``hidden`` (n, d)."""
         h = hidden.float()
         h_b = h.to(torch.bfloat16).float()
-        hb_norm, dh_norm = h_b.norm(dim=-1, keepdim=True), (h_b - h).norm(dim=-1, keepdim=True)
+        hb_norm, dh_norm = h_b.norm(dim=-1, keepdim=True), (h_b - h).norm(dim=-1, keepdim=True)  # (n, 1)
         u, d = 2.0**-8, self.weight.shape[1]
-        low, high = torch.aminmax(clean_logits.float(), dim=-1, keepdim=True)
-        inputs = (self._max_rounding * hb_norm + self.max_row_norm * dh_norm
-                  + 2 * d * 2.0**-24 * (1 + u) * self.max_row_norm * hb_norm)
-        return 1.05 * inputs + 1.05 * u / (1 - u) * torch.maximum(high, -low)
+        inputs = rounding * hb_norm + norms * dh_norm + 2 * d * 2.0**-24 * (1 + u) * norms * hb_norm
+        return 1.05 * inputs + 1.05 * u / (1 - u) * magnitude
 
     def error_scale(self, fused: bool) -> float:
         """Factor from the clean logits' error to the head logits' (sparse: (W h - ...) / (1 - p))."""

@@ -662,7 +662,7 @@ class DropMatch:
 
     def _tail_certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, inp: VerifyInput,
                         masks: torch.Tensor) -> bool | None:
-        """:func:`tail_certified_decide` at position j (greedy JS criteria), its kept tokens made exact."""
+        """:func:`tail_certified_decide` at position j (greedy decoding), its kept tokens made exact."""
         def exact_on(tokens: torch.Tensor) -> torch.Tensor:
             self.counters.refined_tokens += int(tokens.numel())
             return self.head.exact_on(inp.hidden[j : j + 1], masks[j : j + 1], tokens)[0]
@@ -679,7 +679,7 @@ class DropMatch:
         whose cut is not continuous in the logits."""
         if inp.sampling.top_p < 1:
             return None
-        q = inp.draft_distribution(j) if self.criterion in JS_CRITERIA or threshold is not None else None
+        q = inp.draft_distribution(j)
         for extra_margin in self.escalation:
             verdict = self._certified(j, logits, eps, x, q, inp, masks, threshold, extra_margin)
             if verdict is not None:
@@ -689,15 +689,12 @@ class DropMatch:
     def _certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, q: torch.Tensor,
                    inp: VerifyInput, masks: torch.Tensor, threshold: float | None,
                    extra_margin: float = 0.0) -> bool | None:
-        """Make the tokens near each head's top exact (within the refine margin + ``extra_margin``
-        nats), then :func:`certified_decide` (None: undecided)."""
-        needs_mass = self.criterion in JS_CRITERIA or threshold is not None
-        if extra_margin and not needs_mass:
-            return None  # argmax votes: a wider exact set does not help
-        margin = 2 * float(eps.max()) + (self.refine_margin if needs_mass else 0.5) + extra_margin
+        """Under sampling (head votes by acceptance probability: every criterion reads masses): make the
+        tokens near each head's top and the draft's likely tokens exact (within the refine margin +
+        ``extra_margin`` nats), then :func:`certified_decide` (None: undecided)."""
+        margin = 2 * float(eps.max()) + self.refine_margin + extra_margin
         near = (logits >= logits.amax(-1, keepdim=True) - margin).any(0)
-        if needs_mass:  # the draft's likely tokens too: its mass off the exact tokens enters the JS bound
-            near |= q >= q.max() * math.exp(-margin)
+        near |= q >= q.max() * math.exp(-margin)  # the draft's mass off the exact tokens enters the bounds
         near[x] = True
         tokens = near.nonzero().squeeze(-1)
         if tokens.numel() > self.max_refined:
