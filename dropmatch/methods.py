@@ -14,6 +14,7 @@ from .drafters import Drafter, LookupFirstDrafter, ModelDrafter, NgramDrafter, c
 from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .heads import DropoutHead, check_dropout_args, default_head_dtype
+from .heads.byte_columns import BYTE_ROWWISE
 from .models import CausalLM, ModelPair, _dtype
 from .rules import (
     AnyOf,
@@ -203,8 +204,8 @@ def _default(name: str):
 
 def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None = None) -> DropoutHead:
     """K dropout heads on ``target``'s LM head, sharing its weight copy in the compute dtype. On a CPU with
-    oneDNN and a float32 head the heads take sparse columns at small K p_drop (bfloat16 where native),
-    else K-row passes (see :class:`~dropmatch.heads.dropout.DropoutHead`)."""
+    oneDNN and a float32 head the heads take sparse columns at small K p_drop (greedy corrections in 8 bits
+    on x86, else bfloat16 where native), else K-row passes (see :class:`~dropmatch.heads.dropout.DropoutHead`)."""
     dtype = _dtype(head_dtype, target.device) if head_dtype else default_head_dtype(target.head_weight)
     return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
                        weight_in_compute_dtype=target.head_weight_as(dtype))
@@ -212,10 +213,11 @@ def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None
 
 def _warn_if_dtype_unused(rule: DropMatch, head_dtype: str | None) -> None:
     """Say so where a CPU float32 head computes a greedy step's dropout heads in float32 although
-    ``head_dtype`` asked for another dtype (sparse columns on CPUs without native bfloat16; float32 rows
-    for JS criteria)."""
-    used = rule.heads_dtype(SamplingConfig())
-    if head_dtype and used != _dtype(head_dtype, rule.head.weight.device):
+    ``head_dtype`` asked for another dtype (sparse columns on CPUs with neither fbgemm nor native bfloat16;
+    float32 rows for JS criteria). A reduced dtype asked for and 8-bit sparse columns used is no surprise:
+    both trade precision for bytes, and the decisions are certified either way."""
+    used, asked = rule.heads_dtype(SamplingConfig()), _dtype(head_dtype, rule.head.weight.device) if head_dtype else None
+    if head_dtype and used != asked and not (used == BYTE_ROWWISE and asked != torch.float32):
         warnings.warn(f"--head-dtype {head_dtype} does not apply here: a CPU float32 head computes these dropout "
                       f"heads exactly in {str(used).removeprefix('torch.')} (the method's label still names the "
                       "dtype)", stacklevel=3)

@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 
 from dropmatch import cli
 from dropmatch.errors import ConfigError
+from dropmatch.heads.byte_columns import byte_bags_supported
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.models import load_pair
 from dropmatch.onednn_linear import bf16_matmul_supported, onednn_linear_supported
@@ -389,11 +390,13 @@ def test_fly_that_can_never_keep_a_mismatch_is_refused():
 
 
 def test_a_head_dtype_that_does_not_apply_is_said():
-    """On a CPU float32 head, --head-dtype bfloat16 applies where the CPU has native bfloat16 (sparse
-    corrections; rows for argmax votes); elsewhere the dropout heads are exact float32, and that is said."""
+    """On a CPU float32 head, --head-dtype bfloat16 applies where the CPU has native bfloat16 (rows for
+    argmax votes) and to sparse corrections, which then read 8-bit columns on x86 (else bfloat16 where
+    native); elsewhere the dropout heads are exact float32, and that is said."""
     tiny = load_pair("tiny")
     native = bf16_matmul_supported() and onednn_linear_supported()
-    if not native:
+    reduced_sparse = onednn_linear_supported() and (byte_bags_supported() or bf16_matmul_supported())
+    if not reduced_sparse:
         with pytest.warns(UserWarning, match="does not apply"):
             Decoder(tiny, MethodConfig("dropmatch", p_drop=0.032, head_dtype="bfloat16"))
     with warnings.catch_warnings():  # float32 asked, float32 computed (exact rows at p 0.3, sparse at 0.032)
@@ -401,8 +404,9 @@ def test_a_head_dtype_that_does_not_apply_is_said():
         for p_drop in (0.3, 0.032):
             Decoder(tiny, MethodConfig("dropmatch", p_drop=p_drop, head_dtype="float32"))
             Decoder(tiny, MethodConfig("dropmatch", p_drop=p_drop, head_dtype="fp32"))  # an alias of it
-        if native:  # bfloat16 sparse corrections, and bfloat16 rows for greedy argmax votes
+        if reduced_sparse:  # 8-bit (or bfloat16) sparse corrections
             Decoder(tiny, MethodConfig("dropmatch", p_drop=0.032, head_dtype="bfloat16"))
+        if native:  # bfloat16 rows for greedy argmax votes
             Decoder(tiny, MethodConfig("dropmatch", p_drop=0.3, criterion="naive", head_dtype="bfloat16"))
     if native:
         with pytest.warns(UserWarning, match="float32"):  # JS criteria take float32 rows

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dropmatch.errors import ConfigError
+from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
 from dropmatch.heads.dropout import SPARSE_FLOAT32_MAX_DROPPED, DropoutHead
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.onednn_linear import bf16_matmul_supported, onednn_linear_supported
@@ -181,11 +182,16 @@ def test_bfloat16_rows_hold_their_bounds_and_certify_most_votes():
         DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.float16)
 
 
+SCREENED_PATHS = [{"compute_dtype": torch.bfloat16, "sparse": True}, {"compute_dtype": torch.bfloat16, "sparse": False}]
+if byte_bags_supported():  # 8-bit columns for the greedy corrections
+    SCREENED_PATHS.append({"compute_dtype": torch.float32, "sparse": True, "sparse_dtype": BYTE_ROWWISE})
+
+
 @pytest.mark.parametrize("criterion", CRITERIA)
 @pytest.mark.parametrize("p_drop", [0.0, 0.03, 0.3])
 def test_screened_inexact_clean_logits_give_exact_decisions(criterion, p_drop):
     """Greedy clean logits off by up to the screened bound (bf16 GEMM, exact only near the top) and
-    bf16 products still give the exact decisions: certified, or recomputed exactly."""
+    bf16 products or 8-bit corrections still give the exact decisions: certified, or recomputed exactly."""
     from dropmatch.heads.screened import ScreenedHead
 
     fallbacks = 0
@@ -195,16 +201,15 @@ def test_screened_inexact_clean_logits_give_exact_decisions(criterion, p_drop):
         assert not torch.equal(screened, inp.target_logits)  # really inexact
         masks = DropoutHead(weight, k=5, p_drop=p_drop).draw_masks(inp.n_draft, torch.Generator().manual_seed(seed))
         expected = dense_reference(criterion, weight, inp, masks, p_drop, seed)
-        for sparse in (True, False):
-            dm = DropMatch(DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.bfloat16, sparse=sparse),
-                           criterion)
+        for path in SCREENED_PATHS:
+            dm = DropMatch(DropoutHead(weight, k=5, p_drop=p_drop, **path), criterion)
             verdict = RelaxedVerification(dm).verify(_with(inp, seed, screened))
-            assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, sparse)
+            assert (verdict.n_accepted, verdict.extra_accepts) == expected, (seed, path)
             fallbacks += dm.counters.exact_fallbacks
             # the inexact heads went through certification (at p_drop = 0 none are computed: every head is
             # the target, and the rule rejects what standard verification rejects)
             assert p_drop == 0 or dm.counters.refined_tokens > 0 or verdict.criterion_evaluations == 0
-    assert fallbacks < 40 * 2 * 5  # the bounds certify most decisions
+    assert fallbacks < 40 * len(SCREENED_PATHS) * 5  # the bounds certify most decisions
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
@@ -259,9 +264,12 @@ def test_cost_rule_picks_sparse_at_small_p_and_masks_on_device():
     assert not DropoutHead(w, k=5, p_drop=0.3, exact_rows=False).sparse
     if onednn_linear_supported():  # CPU float32: sparse heads while few columns drop, else exact rows
         few = DropoutHead(w, k=5, p_drop=0.032, compute_dtype=torch.bfloat16)
-        # exact float32 corrections (sampling), greedy ones in bfloat16 (certified) where native
+        # exact float32 corrections (sampling), greedy ones in 8 bits (certified) on x86, else bfloat16 where native
         assert few.sparse and not few.exact_rows and few.compute_dtype == torch.float32
-        assert few.sparse_dtype == (torch.bfloat16 if bf16_matmul_supported() else torch.float32)
+        reduced = torch.bfloat16 if bf16_matmul_supported() else torch.float32
+        assert few.sparse_dtype == (BYTE_ROWWISE if byte_bags_supported() else reduced)
+        asked_exact = DropoutHead(w, k=5, p_drop=0.032, compute_dtype=torch.float32)
+        assert asked_exact.sparse and asked_exact.sparse_dtype == torch.float32  # float32 asked: exact corrections
         assert DropMatch(few).corrections_dtype(SamplingConfig(0.8, 1.0)) == torch.float32
         assert DropMatch(few).corrections_dtype(SamplingConfig()) == few.sparse_dtype
         many = DropoutHead(w, k=5, p_drop=0.3)
@@ -327,8 +335,13 @@ def test_screened_clean_bounds_hold_per_token():
     assert min(tighter) > 0.5
 
 
-@pytest.mark.parametrize("path", [dict(sparse=True, compute_dtype=torch.float32), dict(sparse=False),
-                                  dict(exact_rows=True, rows_dtype=torch.bfloat16)], ids=["sparse", "dense", "rows"])
+BYTE_PATH = pytest.param(dict(sparse=True, compute_dtype=torch.float32, sparse_dtype=BYTE_ROWWISE), id="sparse-8bit",
+                         marks=pytest.mark.skipif(not byte_bags_supported(), reason="needs fbgemm (x86)"))
+
+
+@pytest.mark.parametrize("path", [pytest.param(dict(sparse=True, compute_dtype=torch.float32), id="sparse"),
+                                  pytest.param(dict(sparse=False), id="dense"), BYTE_PATH,
+                                  pytest.param(dict(exact_rows=True, rows_dtype=torch.bfloat16), id="rows")])
 def test_dropout_heads_follow_a_weight_changed_in_place(path):
     """A checkpoint loaded into the model after the heads were built (an in-place copy of the head
     weight): the heads use the new weight on every path, not their copies of the old one (the
@@ -342,20 +355,23 @@ def test_dropout_heads_follow_a_weight_changed_in_place(path):
         if head.exact_rows:
             logits, bounds = head.row_logits(hidden, masks)
         else:
-            logits = head.logits(hidden, F.linear(hidden, weight), masks)
-            bounds = head.product_bounds(hidden, masks, F.linear(hidden, weight), logits, fused=False)
+            logits = head.logits(hidden, F.linear(hidden, weight), masks, sparse_dtype=head.sparse_dtype)
+            bounds = head.product_bounds(hidden, masks, F.linear(hidden, weight), logits, fused=False,
+                                         sparse_dtype=head.sparse_dtype) * head.error_scale(False)
         expected = F.linear(hidden.double().unsqueeze(1) * masks / 0.7, weight.double())
         return (logits.double() - expected).abs().amax(-1), bounds.double()
 
     heads()
     head.row_norms()  # the screened-clean bounds' norms, built on the old weight
     held = head._blocks.get(head.compute_dtype)  # a twin head built before the change would still hold the old copy
+    held_bytes = head._byte_blocks
     with torch.no_grad():
         weight.copy_(torch.randn(300, 32, generator=g) * 3)
     err, bounds = heads()
     tolerance = 1e-4 if head.compute_dtype == torch.float32 and not head.exact_rows else 0.0
     assert bool((err <= bounds + tolerance).all()), (err, bounds)
     assert held is None or head.weight_blocks is not held
+    assert held_bytes is None or head.byte_blocks() is not held_bytes
     torch.testing.assert_close(head.row_norms()[0], weight.norm(dim=1))  # what the bounds scale with
     assert head.max_row_norm == pytest.approx(float(weight.norm(dim=1).max()))
 

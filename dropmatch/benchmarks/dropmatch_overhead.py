@@ -21,7 +21,8 @@
    sparse heads, until 2026-12-06). Goal (issue 10): js+majority at
    most 5 % at p = 0.032 and 15 % at p = 0.3.
 3. The floor of each head path on this machine: the bytes a position's K heads must read (rows: the
-   whole weight in the rows' dtype; sparse heads: the K p_drop d dropped rows of W^T, in expectation), the time of
+   whole weight in the rows' dtype; sparse heads: the K p_drop d dropped rows of W^T in the greedy corrections'
+   dtype, 8-bit by default on x86, in expectation), the time of
    one streaming read of that many bytes (``torch.sum``, measured here), and the overhead that read alone
    would cost at the measured positions with heads per step. A goal below that floor is out of reach
    of any kernel for that path on this machine.
@@ -40,6 +41,7 @@ import torch
 
 from ..drafters import Draft, ModelDrafter
 from ..engine import generate, verify_step
+from ..heads.byte_columns import BYTE_ROWWISE
 from ..heads.dropout import DropoutHead
 from ..methods import Decoder, MethodConfig, build_rule
 from ..models import ModelPair, load_pair
@@ -131,7 +133,7 @@ def head_path(criterion) -> str:
     """The head path a DropMatch criterion takes on greedy steps: "exact rows", "bfloat16 rows"
     (certified), or sparse / dense heads in their compute dtype."""
     head, dtype = criterion.head, criterion.heads_dtype(SamplingConfig())
-    name = str(dtype).removeprefix("torch.")
+    name = "8-bit" if dtype == BYTE_ROWWISE else str(dtype).removeprefix("torch.")
     if head.exact_rows:
         return "exact rows" if dtype == head.weight.dtype else f"{name} rows"
     return f"{'sparse' if head.sparse else 'dense'} {name}"
@@ -156,7 +158,12 @@ def read_floor(head: DropoutHead, rows_dtype: torch.dtype | None = None) -> tupl
         data = head.weight_in(rows_dtype or head.rows_dtype)
     elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary
         columns = max(1, round(head.k * head.p_drop * head.weight.shape[1]))
-        data = head.blocks_in(head.sparse_dtype).view(-1)[: columns * head.weight.shape[0]]  # greedy corrections
+        if head.sparse_dtype == BYTE_ROWWISE:  # greedy corrections: a column's rows of every block, in 8 bits
+            packed = head.byte_blocks().packed
+            n_bytes = columns * (packed.shape[0] // head.weight.shape[1]) * packed.shape[1]
+            data = packed.view(-1)[: n_bytes - n_bytes % 4].view(torch.float32)  # an integer sum is no streaming read
+        else:
+            data = head.blocks_in(head.sparse_dtype).view(-1)[: columns * head.weight.shape[0]]
     else:
         return 0.0, 0.0
     return data.numel() * data.element_size() / 1e6, streaming_read_ms(data)

@@ -32,11 +32,11 @@ that computes them directly:
 
 **Default on a CPU with oneDNN and a float32 weight:** the sparse path while one position's K heads drop
 few columns in expectation (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`), else rows. The sparse
-corrections are float32 (exact); under greedy decoding they are bfloat16 (:attr:`DropoutHead.sparse_dtype`)
-where the CPU has native bfloat16 and bfloat16 heads were asked for (half the bytes: 2.2 against 5.4 ms
-for K = 5 at p_drop = 0.032 on the embedded pair, 2-core AMX Xeon; decisions certified on one bound per
-head, see ``DropMatch.corrections_dtype``). Rows never read the clean logits; the sparse heads
-take the verify step's screened clean logits and certify their decisions.
+corrections are float32 (exact); under greedy decoding, where reduced-precision heads were asked for (the
+default), they read W's columns in 8 bits (:attr:`DropoutHead.sparse_dtype`, fbgemm's row-wise format,
+:mod:`~dropmatch.heads.byte_columns`) on x86, else bfloat16 where the CPU has native bfloat16; their
+decisions are certified on one bound per head (see ``DropMatch.corrections_dtype``). Rows never read the
+clean logits; the sparse heads take the verify step's screened clean logits and certify their decisions.
 
 Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
 dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d
@@ -65,6 +65,15 @@ from ..onednn_linear import (
     memory_key,
     shared_few_row_linear,
     weight_stamp,
+)
+from .byte_columns import (
+    BYTE_ROWWISE,
+    BYTE_VOCAB_BLOCK,
+    ByteBlocks,
+    byte_bag_sums,
+    byte_bags_supported,
+    byte_correction_bounds,
+    shared_byte_blocks,
 )
 from .screened import rounding_bound
 
@@ -168,23 +177,25 @@ class DropoutHead:
             in place: the heads then convert their own, see :meth:`drop_stale_copies`).
         sparse: force the sparse (True) or dense (False) path; ``None`` applies the cost rule.
         sparse_max_fraction: the cost rule's threshold on the expected dropped-union fraction.
-        vocab_block: vocabulary columns per block of the CPU sparse path's transposed weight.
+        vocab_block: vocabulary columns per block of the CPU sparse path's transposed weight; ``None``:
+            :data:`VOCAB_BLOCK`, and :data:`~dropmatch.heads.byte_columns.BYTE_VOCAB_BLOCK` for 8-bit columns.
         exact_rows: compute each position's K heads directly with oneDNN's few-row GEMM (the rows path,
             see the module docstring); ``None`` with ``sparse=None``: on a float32 CPU weight with oneDNN,
             rows or sparse heads by K p_drop (sparse ones in float32 unless bfloat16 is asked for and native).
         rows_dtype: dtype of the rows path's GEMM; ``None``: bfloat16 where ``compute_dtype`` is bfloat16
             and the CPU has native bfloat16 GEMMs (certified decisions), else the weight's (exact).
         sparse_dtype: dtype of the sparse corrections where decisions are certified on one bound per head
-            (greedy, ``DropMatch.corrections_dtype``); ``None``: the compute dtype, except for the CPU
-            float32 default, whose exact float32 corrections become bfloat16 there where bfloat16 was asked
-            for and is native.
+            (greedy, ``DropMatch.corrections_dtype``): a float dtype, or :data:`BYTE_ROWWISE` (8-bit
+            row-wise columns, CPU only, see :mod:`~dropmatch.heads.byte_columns`); ``None``: the compute
+            dtype, except for the CPU float32 default where a reduced precision was asked for, whose exact
+            float32 corrections become 8-bit there where fbgemm runs (x86), else bfloat16 where native.
     """
 
     def __init__(self, weight: torch.Tensor, k: int = 5, p_drop: float = 0.3,
                  compute_dtype: torch.dtype | None = None, softcap: float | None = None,
                  weight_in_compute_dtype: torch.Tensor | None = None, sparse: bool | None = None,
                  sparse_max_fraction: float = SPARSE_MAX_FRACTION, exact_rows: bool | None = None,
-                 vocab_block: int = VOCAB_BLOCK, rows_dtype: torch.dtype | None = None,
+                 vocab_block: int | None = None, rows_dtype: torch.dtype | None = None,
                  sparse_dtype: torch.dtype | None = None):
         check_dropout_args(k, p_drop)
         if weight.dim() != 2 or not weight.is_floating_point():
@@ -198,6 +209,7 @@ class DropoutHead:
         self._weight_c: torch.Tensor | None = weight_in_compute_dtype
         self._weight_t: torch.Tensor | None = None
         self._blocks: dict[torch.dtype, torch.Tensor] = {}  # W^T in vocabulary blocks, per dtype
+        self._byte_blocks: ByteBlocks | None = None  # the same in 8 bits (BYTE_ROWWISE corrections)
         self._dense_kernel: FewRowLinear | None = None
         self._exact_linear = shared_few_row_linear(weight)  # oneDNN for exact heads on CPU, one copy per weight
         if (exact_rows is None and sparse is None and weight.dtype == torch.float32
@@ -205,11 +217,16 @@ class DropoutHead:
             # two float32 (exact) paths on CPU: the dropped columns while they are few, else exact rows
             sparse = not softcap and k * self.p_drop <= SPARSE_FLOAT32_MAX_DROPPED
             exact_rows = not sparse
-            if sparse:  # exact corrections; greedy ones in bfloat16 where native (certified)
+            if sparse:  # exact corrections; greedy ones in 8 bits (else bfloat16 where native), certified
+                reduced = self.compute_dtype != torch.float32  # a reduced precision was asked for
                 native = self.compute_dtype == torch.bfloat16 and bf16_matmul_supported()
-                sparse_dtype = sparse_dtype or (torch.bfloat16 if native else torch.float32)
+                fallback = torch.bfloat16 if native else torch.float32
+                sparse_dtype = sparse_dtype or (BYTE_ROWWISE if reduced and byte_bags_supported() else fallback)
                 self.compute_dtype = torch.float32
         self.sparse_dtype = sparse_dtype or self.compute_dtype
+        if self.sparse_dtype == BYTE_ROWWISE and not (weight.device.type == "cpu" and byte_bags_supported()):
+            raise ConfigError("8-bit row-wise sparse corrections (sparse_dtype=torch.quint8) need a CPU weight and a "
+                              "torch with fbgemm (x86)")
         self.exact_rows = bool(exact_rows)
         if rows_dtype is None:
             native_bf16 = weight.device.type == "cpu" and bf16_matmul_supported()
@@ -240,7 +257,7 @@ class DropoutHead:
         assign=True)``) needs new heads (build the method again)."""
         if self._watch.changed(self.weight):
             self._weight_c = self._weight_t = None  # a copy given at construction too
-            self._blocks = {}
+            self._blocks, self._byte_blocks = {}, None
             self._dense_kernel = self._rows_kernel = None
             self._norms = None
             self.max_row_norm = self._max_row_norm()
@@ -283,8 +300,15 @@ class DropoutHead:
         """W^T in vocabulary blocks (n_blocks * d, width) in ``dtype`` (built once per dtype, see
         :func:`shared_column_blocks`)."""
         if dtype not in self._blocks:
-            self._blocks[dtype] = shared_column_blocks(self.weight, dtype, self.vocab_block)
+            self._blocks[dtype] = shared_column_blocks(self.weight, dtype, self.vocab_block or VOCAB_BLOCK)
         return self._blocks[dtype]
+
+    def byte_blocks(self) -> ByteBlocks:
+        """W^T in vocabulary blocks in 8 bits a entry (``sparse_dtype`` :data:`BYTE_ROWWISE`; built once, see
+        :func:`~dropmatch.heads.byte_columns.shared_byte_blocks`)."""
+        if self._byte_blocks is None:
+            self._byte_blocks = shared_byte_blocks(self.weight, self.vocab_block or BYTE_VOCAB_BLOCK)
+        return self._byte_blocks
 
     # -- randomness ------------------------------------------------------------------------------
     def draw_masks(self, n_positions: int, generator: torch.Generator, consume: bool = True) -> torch.Tensor:
@@ -334,24 +358,33 @@ class DropoutHead:
             columns = self.weight_t.index_select(0, union)  # (|U|, V)
             corrections = torch.mm(coeffs.to(columns.dtype), columns).float().view(n, k, -1)
             return torch.sub(clean, corrections, out=corrections).div_(1.0 - self.p_drop)
-        blocks = self.blocks_in(dtype or self.compute_dtype)
-        width, n_blocks, vocab = blocks.shape[1], blocks.shape[0] // d, clean.shape[-1]
+        dtype = dtype or self.compute_dtype
+        blocks = self.byte_blocks() if dtype == BYTE_ROWWISE else self.blocks_in(dtype)
+        width = blocks.width if dtype == BYTE_ROWWISE else blocks.shape[1]
+        n_blocks, vocab = -(-clean.shape[-1] // width), clean.shape[-1]
         bags = dropped.reshape(n * k, d)
-        bag, column = bags.nonzero(as_tuple=True)  # ordered by bag
+        bag, column = bags.nonzero(as_tuple=True)  # ordered by bag (position i * K + head)
         sizes = bags.sum(1)
-        # bag i * K + head -> position i; the 1 / (1 - p) rides in the weights, so the heads are one
-        # subtraction from the scaled clean logits (one pass over them, not two)
-        weights = (hidden.float()[bag // k, column] / (1.0 - self.p_drop)).to(blocks.dtype)
-        block = torch.arange(n_blocks, device=hidden.device).unsqueeze(1)  # every block: the same bags
-        sums = F.embedding_bag((block * d + column).reshape(-1), blocks,
-                               (block * column.numel() + sizes.cumsum(0) - sizes).reshape(-1), mode="sum",
-                               per_sample_weights=weights.repeat(n_blocks))  # (n_blocks * n K, width)
-        sums = sums.view(n_blocks, n, k, width).permute(1, 2, 0, 3)  # (n, K, n_blocks, width), float32 once subtracted
+        starts = sizes.cumsum(0) - sizes
+        # one bag per head and vocabulary block, head-major, so the sums come out laid out as the logits:
+        # entry e of head h goes to bag (h, b) at starts[h] * n_blocks + b * sizes[h] + its rank in h
+        block = torch.arange(n_blocks, device=hidden.device).unsqueeze(1)  # (n_blocks, 1)
+        rank = torch.arange(column.numel(), device=hidden.device) - starts[bag]
+        place = ((starts[bag] * n_blocks + rank) + block * sizes[bag]).reshape(-1)
+        indices = torch.empty_like(place).index_copy_(0, place, (block * d + column).reshape(-1))
+        offsets = (starts.unsqueeze(1) * n_blocks + block.T * sizes.unsqueeze(1)).reshape(-1)
+        # the 1 / (1 - p) rides in the weights, so the heads are one subtraction from the scaled clean logits
+        weights = hidden.float()[bag // k, column] / (1.0 - self.p_drop)
+        weights = torch.empty(place.numel(), device=hidden.device).index_copy_(0, place, weights.repeat(n_blocks))
+        if dtype == BYTE_ROWWISE:
+            sums = byte_bag_sums(blocks, indices, offsets, weights)  # (n K n_blocks, width) float32
+        else:
+            sums = F.embedding_bag(indices, blocks, offsets, mode="sum", per_sample_weights=weights.to(blocks.dtype))
+        sums = sums.view(n, k, n_blocks * width)
         scaled = clean / (1.0 - self.p_drop)
         if n_blocks * width != vocab:  # the last block is padded
             scaled = F.pad(scaled, (0, n_blocks * width - vocab))
-        logits = torch.empty((n, k, n_blocks * width), device=hidden.device)  # laid out by vocabulary
-        torch.sub(scaled.view(n, 1, n_blocks, width), sums, out=logits.view(n, k, n_blocks, width))
+        logits = torch.sub(scaled, sums, out=sums) if sums.dtype == torch.float32 else torch.sub(scaled, sums)
         return logits if n_blocks * width == vocab else logits[..., :vocab].contiguous()
 
     # -- heads -----------------------------------------------------------------------------------
@@ -434,8 +467,9 @@ class DropoutHead:
         terms at its maximum over the vocabulary): one pass over the logits, where the per-token bounds take
         several."""
         self.row_norms()  # their maxima: self.max_row_norm, self._max_rounding
-        low, high = torch.aminmax(clean_logits.float(), dim=-1, keepdim=True)
-        return self._screened_bound(hidden, self.max_row_norm, self._max_rounding, torch.maximum(high, -low))
+        clean = clean_logits.float()  # two reductions: torch.aminmax along a dim is ~15x slower on CPUs (0.41 ms for 262k)
+        magnitude = torch.maximum(clean.amax(-1, keepdim=True), -clean.amin(-1, keepdim=True))
+        return self._screened_bound(hidden, self.max_row_norm, self._max_rounding, magnitude)
 
     def _screened_bound(self, hidden: torch.Tensor, norms: torch.Tensor | float, rounding: torch.Tensor | float,
                         magnitude: torch.Tensor) -> torch.Tensor:
@@ -474,6 +508,12 @@ class DropoutHead:
         dtype = self.compute_dtype if dense else sparse_dtype or self.compute_dtype
         if self.softcap or dtype in (torch.float32, torch.float64):  # exact: weight precision or float32
             return torch.zeros(head_logits.shape[:2], device=hidden.device)
+        if dtype == BYTE_ROWWISE:  # measured quantization, float32 sums, and the subtraction from the clean
+            # logits (|clean| + |correction| <= 2 max ||W_v|| ||h||, rounded once); zero where nothing drops
+            dropped = ~masks
+            subtraction = 2.0**-22 * self.max_row_norm * hidden.float().norm(dim=-1, keepdim=True)
+            bounds = byte_correction_bounds(self.byte_blocks(), hidden, dropped) + subtraction
+            return torch.where(dropped.any(-1), bounds, 0.0)
         h = hidden.float().unsqueeze(1)
         x_norm = (h * (keep_scale(masks, self.p_drop) - 1.0) if dense else h * ~masks).norm(dim=-1)  # (n, K): ||delta||, ||h_D||
         d = self.weight.shape[1]

@@ -1,0 +1,73 @@
+"""8-bit row-wise columns for the sparse dropout heads' greedy corrections (dropmatch.heads.byte_columns)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dropmatch.errors import ConfigError
+from dropmatch.heads import dropout
+from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
+from dropmatch.heads.dropout import DropoutHead
+
+pytestmark = pytest.mark.skipif(not byte_bags_supported(), reason="needs fbgemm's 8-bit embedding bags (x86)")
+
+
+def _case(vocab: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, d, generator=g) * 0.3
+    weight[3, 5] = 4.0  # an outlier: its column's blocks get coarse steps
+    return weight, torch.randn(4, d, generator=g) * 3
+
+
+def _errors_and_bounds(head: DropoutHead, weight: torch.Tensor, hidden: torch.Tensor, seed: int):
+    """Each head's largest error over the vocabulary against float64 heads, and its bound, (n, K) each."""
+    masks = head.draw_masks(hidden.shape[0], torch.Generator().manual_seed(seed))
+    clean = F.linear(hidden, weight)
+    logits = head.logits(hidden, clean, masks, sparse_dtype=BYTE_ROWWISE)
+    exact = F.linear(hidden.double().unsqueeze(1) * masks / (1 - head.p_drop), weight.double())
+    bounds = head.error_scale(False) * head.product_bounds(hidden, masks, clean, logits, fused=False,
+                                                          read_outputs=False, sparse_dtype=BYTE_ROWWISE)
+    return (logits.double() - exact).abs().amax(-1), bounds.double(), (~masks).any(-1)
+
+
+@pytest.mark.parametrize("vocab,block", [(700, 256), (300, 1000), (1024, 128)], ids=["padded", "one-block", "exact"])
+def test_8bit_corrections_hold_their_bound_and_it_is_tight(vocab, block):
+    """Every head logit from 8-bit columns is within its head's bound of the float64 heads (+ float32 noise of
+    the clean logits, the reference precision), the bound is zero where no column drops and, since it is
+    measured rather than assumed, nearly reached: a head that drops one column errs by up to its bound / 1.05."""
+    ratios = []
+    for p_drop in (0.03, 0.3):
+        for seed in range(6):
+            weight, hidden = _case(vocab, 48, seed)
+            head = DropoutHead(weight, k=5, p_drop=p_drop, compute_dtype=torch.float32, sparse=True,
+                               sparse_dtype=BYTE_ROWWISE, vocab_block=block)
+            err, bound, dropped = _errors_and_bounds(head, weight, hidden, seed)
+            assert bool((err <= bound + 1e-5).all()), (p_drop, seed)
+            assert bool((bound[~dropped] == 0).all()) and bool((bound[dropped] > 0).all())
+            ratios.append(float((err / bound.clamp(min=1e-30))[dropped].max()))
+    assert max(ratios) > 0.5
+
+
+def test_the_bound_needs_the_measured_quantization_error():
+    """Negative control: without the measured dequantization error (float32 arithmetic alone) the bound fails,
+    so the test above could fail."""
+    weight, hidden = _case(700, 48, 0)
+    head = DropoutHead(weight, k=5, p_drop=0.3, compute_dtype=torch.float32, sparse=True, sparse_dtype=BYTE_ROWWISE,
+                       vocab_block=256)
+    blocks = head.byte_blocks()
+    head._byte_blocks = dataclasses.replace(blocks, error=torch.zeros_like(blocks.error))
+    err, bound, _ = _errors_and_bounds(head, weight, hidden, 0)
+    assert bool((err > bound + 1e-5).any())
+
+
+def test_8bit_columns_are_refused_where_they_cannot_run(monkeypatch):
+    """A clear error, not fbgemm's: 8-bit columns need fbgemm (x86) and a CPU weight."""
+    monkeypatch.setattr(dropout, "byte_bags_supported", lambda: False)
+    with pytest.raises(ConfigError, match="fbgemm"):
+        DropoutHead(torch.randn(100, 16), k=5, p_drop=0.03, sparse=True, sparse_dtype=BYTE_ROWWISE)
+    default = DropoutHead(torch.randn(100, 16), k=5, p_drop=0.03, compute_dtype=torch.bfloat16)
+    assert default.sparse_dtype != BYTE_ROWWISE  # the CPU default falls back to bfloat16 or float32
