@@ -13,7 +13,7 @@ from dropmatch.heads import dropout
 from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
 from dropmatch.heads.dropout import DropoutHead
 
-pytestmark = pytest.mark.skipif(not byte_bags_supported(), reason="needs fbgemm's 8-bit embedding bags (x86)")
+needs_fbgemm = pytest.mark.skipif(not byte_bags_supported(), reason="needs fbgemm's 8-bit embedding bags (x86)")
 
 
 def _case(vocab: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,10 +34,12 @@ def _errors_and_bounds(head: DropoutHead, weight: torch.Tensor, hidden: torch.Te
     return (logits.double() - exact).abs().amax(-1), bounds.double(), (~masks).any(-1)
 
 
+@needs_fbgemm
 @pytest.mark.parametrize("vocab,block", [(700, 256), (300, 1000), (1024, 128)], ids=["padded", "one-block", "exact"])
 def test_8bit_corrections_hold_their_bound_and_it_is_tight(vocab, block):
     """Every head logit from 8-bit columns is within its head's bound of the float64 heads (+ float32 noise of
-    the clean logits, the reference precision), the bound is zero where no column drops and, since it is
+    the clean logits, the reference precision: about the size of the bound's arithmetic term, so the
+    quantization term is what this checks), the bound is zero where no column drops and, since it is
     measured rather than assumed, nearly reached: a head that drops one column errs by up to its bound / 1.05."""
     ratios = []
     for p_drop in (0.03, 0.3):
@@ -52,6 +54,7 @@ def test_8bit_corrections_hold_their_bound_and_it_is_tight(vocab, block):
     assert max(ratios) > 0.5
 
 
+@needs_fbgemm
 def test_the_bound_needs_the_measured_quantization_error():
     """Negative control: without the measured dequantization error (float32 arithmetic alone) the bound fails,
     so the test above could fail."""
@@ -71,3 +74,19 @@ def test_8bit_columns_are_refused_where_they_cannot_run(monkeypatch):
         DropoutHead(torch.randn(100, 16), k=5, p_drop=0.03, sparse=True, sparse_dtype=BYTE_ROWWISE)
     default = DropoutHead(torch.randn(100, 16), k=5, p_drop=0.03, compute_dtype=torch.bfloat16)
     assert default.sparse_dtype != BYTE_ROWWISE  # the CPU default falls back to bfloat16 or float32
+
+
+@needs_fbgemm
+def test_the_package_default_takes_8bit_columns_unless_float32_is_asked_for(monkeypatch):
+    """On an x86 CPU the sparse heads' greedy corrections are 8-bit by default, also where the CPU lacks native
+    bfloat16 (there the default head dtype is float32, which asks for nothing); --head-dtype float32 keeps
+    them exact."""
+    from dropmatch import methods
+    from dropmatch.models import load_pair
+
+    target = load_pair("tiny").target
+    assert methods.dropout_head(target, 5, 0.032).sparse_dtype == BYTE_ROWWISE
+    assert methods.dropout_head(target, 5, 0.032, "bfloat16").sparse_dtype == BYTE_ROWWISE
+    assert methods.dropout_head(target, 5, 0.032, "float32").sparse_dtype == torch.float32
+    monkeypatch.setattr(methods, "default_head_dtype", lambda weight: torch.float32)  # an AVX2-only CPU
+    assert methods.dropout_head(target, 5, 0.032).sparse_dtype == BYTE_ROWWISE

@@ -8,15 +8,19 @@ fbgemm's embedding bags sum them straight to float32: a quarter of float32's byt
 with no bfloat16 rounding of the sums.
 
 **Error bound.** The dequantization error of every entry is measured once per column j, over all its blocks,
-as ``error[j]`` (no assumption about rounding modes). Summing ``w_j (scale q + offset)`` in float32 adds at
-most a few roundings per term, each relative to ``magnitude[j] = max (255 |scale| + |offset|)``. So for a
-head with dropped set D and weights w_j = h_j, the computed correction is within
+as ``error[j]`` (no assumption about rounding modes). fbgemm sums a bag in order, one thread per bag: for
+each dropped column j with weight w_j = h_j / (1 - p) (rounded to float32) it forms w_j scale and w_j offset
+and accumulates ``fma(w_j scale, q, acc + w_j offset)``: two roundings relative to the running sum and a few
+relative to |w_j| ``magnitude[j]`` (``magnitude[j] = max (255 |scale| + |offset|)``, which also covers the
+float32 rounding of the measured dequantized values). So for a head with dropped set D the computed
+correction is within
 
-    1.05 * sum_{j in D} |h_j| (error[j] + (|D| + 6) 2^-23 magnitude[j])
+    1.05 * sum_{j in D} |h_j| (error[j] + (|D| + 6) 2^-23 magnitude[j]) / (1 - p)
 
 of the exact one at every token: one number per head, as :func:`~dropmatch.rules.dropmatch.tail_certified_decide`
-reads. On the embedded pair it is ~0.02-0.06 nats at p_drop = 0.032, about a fifth of the bfloat16 path's
-bound (whose output rounding and Cauchy-Schwarz terms dominate).
+reads (:func:`byte_correction_bounds` gives it without the 1 / (1 - p), in units of ``W[:, D] h_D``, as the
+other sparse bounds). On the embedded pair it is ~0.02-0.06 nats at p_drop = 0.032, about a fifth of the
+bfloat16 path's bound (whose output rounding and Cauchy-Schwarz terms dominate).
 """
 
 from __future__ import annotations

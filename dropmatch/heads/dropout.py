@@ -79,8 +79,8 @@ from .screened import rounding_bound
 
 SPARSE_MAX_FRACTION = 0.35
 # CPU float32 default: the sparse path while one position's K heads drop at most this many coordinates
-# in expectation (K p_drop, in units of d); its greedy corrections are bfloat16 where native, and the
-# crossover below was measured in float32. Measured on the embedded pair (262k x 640, 2 cores): the
+# in expectation (K p_drop, in units of d); its greedy corrections are 8-bit (or bfloat16) where they run,
+# and the crossover below was measured in float32. Measured on the embedded pair (262k x 640, 2 cores): the
 # flat embedding-bag correction cost ~2 ms + 0.06 ms per dropped column (9.6 ms at K p = 0.19, 19 ms at
 # 0.48, 63 ms at 1.5) against 22-28 ms for the exact K-row pass (AVX-512 / AMX EPYC); on the 2-core AVX2
 # EPYC of 2026-12-04 the blocked sparse heads take 9.7, 25, 46 and 63 ms at K p = 0.16, 0.5, 1.0 and 1.5
@@ -88,8 +88,8 @@ SPARSE_MAX_FRACTION = 0.35
 SPARSE_FLOAT32_MAX_DROPPED = 0.5
 # CPU sparse path: vocabulary columns per block of the blocked W^T. A K-head correction then accumulates
 # into K rows of 64 KB that stay in cache, where whole 1 MB rows (262k vocabulary) went back to memory for
-# every dropped column, and the bags (blocks x heads) spread evenly over the threads, where K = 5 bags
-# split 3 : 2 on 2 cores. Embedded pair, K = 5, p_drop = 0.032, 2-core AVX2 EPYC: the bags take 8.6 against
+# every dropped column, and the bags (blocks x heads, head-major since 2026-12-06 so that the sums come out
+# laid out as the logits) spread over the threads, where K = 5 bags split 3 : 2 on 2 cores. Embedded pair, K = 5, p_drop = 0.032, 2-core AVX2 EPYC: the bags take 8.6 against
 # 11.7 ms; in `make bench-dropmatch` js+majority's head + rule went from 22.0 to 16.9 ms a position.
 VOCAB_BLOCK = 16384
 
@@ -181,7 +181,8 @@ class DropoutHead:
             :data:`VOCAB_BLOCK`, and :data:`~dropmatch.heads.byte_columns.BYTE_VOCAB_BLOCK` for 8-bit columns.
         exact_rows: compute each position's K heads directly with oneDNN's few-row GEMM (the rows path,
             see the module docstring); ``None`` with ``sparse=None``: on a float32 CPU weight with oneDNN,
-            rows or sparse heads by K p_drop (sparse ones in float32 unless bfloat16 is asked for and native).
+            rows or sparse heads by K p_drop (sparse ones exact in float32; their greedy corrections see
+            ``sparse_dtype``).
         rows_dtype: dtype of the rows path's GEMM; ``None``: bfloat16 where ``compute_dtype`` is bfloat16
             and the CPU has native bfloat16 GEMMs (certified decisions), else the weight's (exact).
         sparse_dtype: dtype of the sparse corrections where decisions are certified on one bound per head
@@ -218,7 +219,7 @@ class DropoutHead:
             sparse = not softcap and k * self.p_drop <= SPARSE_FLOAT32_MAX_DROPPED
             exact_rows = not sparse
             if sparse:  # exact corrections; greedy ones in 8 bits (else bfloat16 where native), certified
-                reduced = self.compute_dtype != torch.float32  # a reduced precision was asked for
+                reduced = self.compute_dtype in (torch.bfloat16, torch.float16)  # a reduced precision was asked for
                 native = self.compute_dtype == torch.bfloat16 and bf16_matmul_supported()
                 fallback = torch.bfloat16 if native else torch.float32
                 sparse_dtype = sparse_dtype or (BYTE_ROWWISE if reduced and byte_bags_supported() else fallback)
@@ -341,7 +342,8 @@ class DropoutHead:
                       dtype: torch.dtype | None = None) -> torch.Tensor:
         """Head logits (n, K, V) float32, ``(W h - W[:, D_i] h_{D_i}) / (1 - p)``, from ``hidden`` (n, d), the
         clean logits (n, V) and ``masks`` (n, K, d); the corrections in ``dtype`` on CPUs (default: the
-        compute dtype).
+        compute dtype; :data:`BYTE_ROWWISE`: 8-bit columns summed to float32, see
+        :mod:`~dropmatch.heads.byte_columns`).
 
         On CPUs the corrections are embedding bags over the rows of the blocked W^T (no gathered copy), one
         bag per vocabulary block and head; elsewhere one gathered matrix over the union of the dropped
@@ -359,9 +361,13 @@ class DropoutHead:
             corrections = torch.mm(coeffs.to(columns.dtype), columns).float().view(n, k, -1)
             return torch.sub(clean, corrections, out=corrections).div_(1.0 - self.p_drop)
         dtype = dtype or self.compute_dtype
-        blocks = self.byte_blocks() if dtype == BYTE_ROWWISE else self.blocks_in(dtype)
-        width = blocks.width if dtype == BYTE_ROWWISE else blocks.shape[1]
-        n_blocks, vocab = -(-clean.shape[-1] // width), clean.shape[-1]
+        if dtype == BYTE_ROWWISE:
+            blocks = self.byte_blocks()
+            n_blocks, width = blocks.packed.shape[0] // d, blocks.width
+        else:
+            blocks = self.blocks_in(dtype)
+            n_blocks, width = blocks.shape[0] // d, blocks.shape[1]
+        vocab = clean.shape[-1]
         bags = dropped.reshape(n * k, d)
         bag, column = bags.nonzero(as_tuple=True)  # ordered by bag (position i * K + head)
         sizes = bags.sum(1)
@@ -375,7 +381,7 @@ class DropoutHead:
         offsets = (starts.unsqueeze(1) * n_blocks + block.T * sizes.unsqueeze(1)).reshape(-1)
         # the 1 / (1 - p) rides in the weights, so the heads are one subtraction from the scaled clean logits
         weights = hidden.float()[bag // k, column] / (1.0 - self.p_drop)
-        weights = torch.empty(place.numel(), device=hidden.device).index_copy_(0, place, weights.repeat(n_blocks))
+        weights = weights.new_empty(place.numel()).index_copy_(0, place, weights.repeat(n_blocks))
         if dtype == BYTE_ROWWISE:
             sums = byte_bag_sums(blocks, indices, offsets, weights)  # (n K n_blocks, width) float32
         else:
@@ -384,7 +390,7 @@ class DropoutHead:
         scaled = clean / (1.0 - self.p_drop)
         if n_blocks * width != vocab:  # the last block is padded
             scaled = F.pad(scaled, (0, n_blocks * width - vocab))
-        logits = torch.sub(scaled, sums, out=sums) if sums.dtype == torch.float32 else torch.sub(scaled, sums)
+        logits = torch.sub(scaled, sums, out=sums) if sums.dtype == torch.float32 else torch.sub(scaled, sums).float()
         return logits if n_blocks * width == vocab else logits[..., :vocab].contiguous()
 
     # -- heads -----------------------------------------------------------------------------------
@@ -491,8 +497,9 @@ class DropoutHead:
                        head_logits: torch.Tensor, fused: bool, read_outputs: bool = True,
                        sparse_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Bounds (n, K), in nats, on the rounding of the compute-dtype product in :meth:`logits`, before
-        :meth:`error_scale` (dense: the perturbation rows; sparse: the gathered columns); a float32 product
-        counts as exact (the reference precision). A head logit's error is at most
+        :meth:`error_scale` (dense: the perturbation rows; sparse: the gathered columns; 8-bit columns: their
+        measured quantization, the float32 sums and the subtraction from the clean logits, without reading the
+        outputs); a float32 product counts as exact (the reference precision). A head logit's error is at most
         ``error_scale(fused) * (clean error + product bound)``.
 
         Args:
@@ -508,8 +515,8 @@ class DropoutHead:
         dtype = self.compute_dtype if dense else sparse_dtype or self.compute_dtype
         if self.softcap or dtype in (torch.float32, torch.float64):  # exact: weight precision or float32
             return torch.zeros(head_logits.shape[:2], device=hidden.device)
-        if dtype == BYTE_ROWWISE:  # measured quantization, float32 sums, and the subtraction from the clean
-            # logits (|clean| + |correction| <= 2 max ||W_v|| ||h||, rounded once); zero where nothing drops
+        if dtype == BYTE_ROWWISE:  # measured quantization, float32 sums, and clean / (1 - p) - sums (two roundings,
+            # |clean| + |correction| <= 2 max ||W_v|| ||h||: 3 u against the 4 u allowed); zero where nothing drops
             dropped = ~masks
             subtraction = 2.0**-22 * self.max_row_norm * hidden.float().norm(dim=-1, keepdim=True)
             bounds = byte_correction_bounds(self.byte_blocks(), hidden, dropped) + subtraction
