@@ -90,3 +90,38 @@ def test_the_package_default_takes_8bit_columns_unless_float32_is_asked_for(monk
     assert methods.dropout_head(target, 5, 0.032, "float32").sparse_dtype == torch.float32
     monkeypatch.setattr(methods, "default_head_dtype", lambda weight: torch.float32)  # an AVX2-only CPU
     assert methods.dropout_head(target, 5, 0.032).sparse_dtype == BYTE_ROWWISE
+
+
+@needs_fbgemm
+def test_greedy_js_criteria_on_a_rows_head_take_8bit_sparse_heads():
+    """On the CPU default's rows head (large K p_drop), greedy JS criteria compute their heads as sparse heads with
+    8-bit corrections while K p_drop <= 2, and take the decisions of exact float32 rows; argmax votes and
+    sampled steps keep the rows."""
+    from dropmatch.heads.screened import ScreenedHead
+    from dropmatch.rules import RelaxedVerification
+    from dropmatch.rules.dropmatch import DropMatch
+    from dropmatch.sampling import SamplingConfig
+
+    from .test_sparse_heads import _with, random_case
+
+    greedy, sampled = SamplingConfig(), SamplingConfig(0.8, 1.0)
+    refined = 0
+    for seed in range(20):
+        weight, inp = random_case(seed, greedy, vocab=400, d=32)
+        head = DropoutHead(weight, k=5, p_drop=0.3, compute_dtype=torch.bfloat16)
+        if not head.exact_rows:
+            pytest.skip("the CPU default's rows head needs oneDNN")
+        rule = DropMatch(head, "js+majority")
+        twin = rule.heads_for(greedy)
+        assert twin.sparse and twin.sparse_dtype == BYTE_ROWWISE and rule.heads_dtype(greedy) == BYTE_ROWWISE
+        assert rule.heads_for(sampled) is head and DropMatch(head, "naive").heads_for(greedy) is head
+        exact = DropMatch(DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.float32),
+                          "js+majority")
+        screened = ScreenedHead(weight, refine_margin=0.5)(inp.hidden)
+        verdict = RelaxedVerification(rule).verify(_with(inp, seed, screened))
+        expected = RelaxedVerification(exact).verify(_with(inp, seed))
+        assert (verdict.n_accepted, verdict.extra_accepts) == (expected.n_accepted, expected.extra_accepts), seed
+        refined += rule.counters.refined_tokens  # certified on the 8-bit heads (exact rows refine nothing)
+    assert refined > 0
+    wide = DropMatch(DropoutHead(weight, k=5, p_drop=0.5, compute_dtype=torch.bfloat16), "js")
+    assert wide.heads_for(greedy) is wide.head  # K p_drop = 2.5: the bags would read more than the rows

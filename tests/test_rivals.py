@@ -392,7 +392,8 @@ def test_fly_that_can_never_keep_a_mismatch_is_refused():
 def test_a_head_dtype_that_does_not_apply_is_said():
     """On a CPU float32 head, --head-dtype bfloat16 applies where the CPU has native bfloat16 (rows for
     argmax votes) and to sparse corrections, which then read 8-bit columns on x86 (else bfloat16 where
-    native); elsewhere the dropout heads are exact float32, and that is said."""
+    native; greedy JS criteria take them at p_drop 0.3 too); elsewhere the dropout heads are exact float32,
+    and that is said."""
     tiny = load_pair("tiny")
     native = bf16_matmul_supported() and onednn_linear_supported()
     reduced_sparse = onednn_linear_supported() and (byte_bags_supported() or bf16_matmul_supported())
@@ -408,6 +409,11 @@ def test_a_head_dtype_that_does_not_apply_is_said():
             Decoder(tiny, MethodConfig("dropmatch", p_drop=0.032, head_dtype="bfloat16"))
         if native:  # bfloat16 rows for greedy argmax votes
             Decoder(tiny, MethodConfig("dropmatch", p_drop=0.3, criterion="naive", head_dtype="bfloat16"))
-    if native:
+    js_rows = MethodConfig("dropmatch", p_drop=0.3, criterion="js", head_dtype="bfloat16")
+    if onednn_linear_supported() and byte_bags_supported():  # JS criteria take 8-bit sparse heads there
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Decoder(tiny, js_rows)
+    elif native:
         with pytest.warns(UserWarning, match="float32"):  # JS criteria take float32 rows
-            Decoder(tiny, MethodConfig("dropmatch", p_drop=0.3, criterion="js", head_dtype="bfloat16"))
+            Decoder(tiny, js_rows)

@@ -10,11 +10,12 @@
 2. The recorded steps are replayed through the head and each rule (interleaved, repeated, identical
    inputs): standard verification and DropMatch (naive, js+majority; K = 5) at p_drop = 0.032 (the
    equal-noise value of a 640-wide model) and 0.3, masks drawn inside the timed step, exact decisions.
-   The head path is DropoutHead's choice, named after the requested head dtype in each row: "exact
-   rows" (float32 through oneDNN, where it runs: the dtype does not apply), "bfloat16 rows" (the same
-   pass in bfloat16 for argmax votes on CPUs with native bfloat16, certified), else sparse
-   dropped-column heads at small p_drop or dense heads fused into the verification GEMM, both with
-   certified decisions (the exact fallbacks per step are shown). Head overhead = extra head + rule time per step,
+   The head path is DropoutHead's choice (``DropMatch.heads_for``), named after the requested head dtype in
+   each row: "exact rows" (float32 through oneDNN, where it runs: the dtype does not apply), "bfloat16 rows"
+   (the same pass in bfloat16 for argmax votes on CPUs with native bfloat16, certified), else sparse
+   dropped-column heads ("sparse 8-bit" on x86: at small p_drop, and for greedy JS criteria up to K p_drop = 2)
+   or dense heads fused into the verification GEMM, both with certified decisions (the exact fallbacks per
+   step are shown). Head overhead = extra head + rule time per step,
    as a percentage of the standard verify step. The standard step's head is screened (bfloat16 with an
    exact argmax, where the CPU has native bfloat16), and so is DropMatch's; the row "standard (float32
    head)" shows what a rule that needs the float32 head pays (DropMatch's JS rules did, on float32
@@ -132,7 +133,7 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
 def head_path(criterion) -> str:
     """The head path a DropMatch criterion takes on greedy steps: "exact rows", "bfloat16 rows"
     (certified), or sparse / dense heads in their compute dtype."""
-    head, dtype = criterion.head, criterion.heads_dtype(SamplingConfig())
+    head, dtype = criterion.heads_for(SamplingConfig()), criterion.heads_dtype(SamplingConfig())
     name = "8-bit" if dtype == BYTE_ROWWISE else str(dtype).removeprefix("torch.")
     if head.exact_rows:
         return "exact rows" if dtype == head.weight.dtype else f"{name} rows"
@@ -182,7 +183,8 @@ def add_floors(table: pd.DataFrame, rules: dict) -> pd.DataFrame:
         if head is None or not per_step:
             floors.append({})
             continue
-        megabytes, read_ms = read_floor(head, criterion.rows_dtype(SamplingConfig()))
+        greedy = SamplingConfig()
+        megabytes, read_ms = read_floor(criterion.heads_for(greedy), criterion.rows_dtype(greedy))
         floors.append({"MB read / position": megabytes, "streaming read (ms)": read_ms,
                        "head + rule / position (ms)": (row["head + rule / step (ms)"] - base) / per_step,
                        "read floor (% of verify step)": 100 * per_step * read_ms / row["verify step (ms)"]})

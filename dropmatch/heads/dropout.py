@@ -218,11 +218,13 @@ class DropoutHead:
             # two float32 (exact) paths on CPU: the dropped columns while they are few, else exact rows
             sparse = not softcap and k * self.p_drop <= SPARSE_FLOAT32_MAX_DROPPED
             exact_rows = not sparse
-            if sparse:  # exact corrections; greedy ones in 8 bits (else bfloat16 where native), certified
-                reduced = self.compute_dtype in (torch.bfloat16, torch.float16)  # a reduced precision was asked for
-                native = self.compute_dtype == torch.bfloat16 and bf16_matmul_supported()
-                fallback = torch.bfloat16 if native else torch.float32
-                sparse_dtype = sparse_dtype or (BYTE_ROWWISE if reduced and byte_bags_supported() else fallback)
+            # exact corrections; greedy ones in 8 bits (else bfloat16 where native), certified (on a rows head:
+            # those of greedy JS criteria, which DropMatch computes on sparse heads, see DropMatch.heads_for)
+            reduced = self.compute_dtype in (torch.bfloat16, torch.float16)  # a reduced precision was asked for
+            native = self.compute_dtype == torch.bfloat16 and bf16_matmul_supported()
+            fallback = torch.bfloat16 if native else torch.float32
+            sparse_dtype = sparse_dtype or (BYTE_ROWWISE if reduced and byte_bags_supported() else fallback)
+            if sparse:
                 self.compute_dtype = torch.float32
         self.sparse_dtype = sparse_dtype or self.compute_dtype
         if self.sparse_dtype == BYTE_ROWWISE and not (weight.device.type == "cpu" and byte_bags_supported()):
