@@ -89,8 +89,9 @@ SPARSE_FLOAT32_MAX_DROPPED = 0.5
 # CPU sparse path: vocabulary columns per block of the blocked W^T. A K-head correction then accumulates
 # into K rows of 64 KB that stay in cache, where whole 1 MB rows (262k vocabulary) went back to memory for
 # every dropped column, and the bags (blocks x heads, head-major since 2026-12-06 so that the sums come out
-# laid out as the logits) spread over the threads, where K = 5 bags split 3 : 2 on 2 cores. Embedded pair, K = 5, p_drop = 0.032, 2-core AVX2 EPYC: the bags take 8.6 against
-# 11.7 ms; in `make bench-dropmatch` js+majority's head + rule went from 22.0 to 16.9 ms a position.
+# laid out as the logits) spread over the threads, where K = 5 bags split 3 : 2 on 2 cores. Embedded pair,
+# K = 5, p_drop = 0.032, 2-core AVX2 EPYC: the bags take 8.6 against 11.7 ms; in `make bench-dropmatch`
+# js+majority's head + rule went from 22.0 to 16.9 ms a position.
 VOCAB_BLOCK = 16384
 
 _TRANSPOSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (weight memory, dtype, block) -> W^T
@@ -475,7 +476,7 @@ class DropoutHead:
         terms at its maximum over the vocabulary): one pass over the logits, where the per-token bounds take
         several."""
         self.row_norms()  # their maxima: self.max_row_norm, self._max_rounding
-        clean = clean_logits.float()  # two reductions: torch.aminmax along a dim is ~15x slower on CPUs (0.41 ms for 262k)
+        clean = clean_logits.float()  # two reductions: torch.aminmax along a dim is ~15x slower on CPUs (0.41 ms, 262k)
         magnitude = torch.maximum(clean.amax(-1, keepdim=True), -clean.amin(-1, keepdim=True))
         return self._screened_bound(hidden, self.max_row_norm, self._max_rounding, magnitude)
 

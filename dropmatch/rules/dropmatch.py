@@ -23,15 +23,15 @@ rule draws from right after the criterion (:class:`~dropmatch.rules.standard.Rel
 
 **Exact decisions on inexact logits.** Greedy verification may hand over screened bfloat16 logits
 (exact argmax, bfloat16 accuracy off the top tokens), and the bfloat16 perturbation GEMMs or the 8-bit /
-bfloat16 corrections add rounding. Each head logit then carries a rigorous bound (nats), and the decision is taken only
-where the bounds certify it; otherwise the K heads are recomputed exactly. Decisions therefore equal
+bfloat16 corrections add rounding. Each head logit then carries a rigorous bound (nats), and the decision
+is taken only where the bounds certify it; otherwise the K heads are recomputed exactly. Decisions therefore equal
 those computed from exact float32 head logits.
 
 * Greedy decoding (:func:`tail_certified_decide`, one bound per head): votes are the heads' exact
   argmaxes among the tokens within twice the bound of each head's computed top. The JS test makes its
-  kept tokens exact (the likely tokens of the heads, the centroid and the draft, first at 1e-4: ~0.6-1.4k of
-  262k on the embedded pair); what stays uncertain is each normalizer, over a tail of small mass known within
-  e^{+-bound}, and a normalizer's error moves the JS of close distributions little
+  kept tokens exact (the likely tokens of the heads, the centroid and the draft, first at 1e-4: ~0.6-1.4k
+  of 262k on the embedded pair); what stays uncertain is each normalizer, over a tail of small mass known
+  within e^{+-bound}, and a normalizer's error moves the JS of close distributions little
   (:func:`_shift_sensitivity`). On the embedded pair it decides every position of 72 recorded steps
   (js+majority, p_drop 0.032, 8-bit corrections).
 * Sampling (:func:`certified_decide`, per-token bounds): the tokens near each head's top are made exact,
@@ -481,9 +481,9 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
 EIGHT_BIT_MAX_DROPPED = 2.0
 # a rows head's greedy JS criteria take sparse heads with 8-bit corrections while K p_drop is at most this:
 # the bags then read at most 2 x d columns of W in 8 bits, half the float32 rows' bytes. Measured at K p_drop
-# = 1.5 (embedded pair, p_drop 0.3, js+majority, 35 recorded steps replayed, 2-core AMX Xeon): 26.4 against
-# 32.7 ms a step over the standard rule (6 of 72 positions recomputed on float32 rows); argmax votes keep
-# the bfloat16 rows, which read less than the bags and certify at a glance.
+# = 1.5 (embedded pair, p_drop 0.3, js+majority, 35 recorded steps replayed, 2-core AMX Xeon): 26.4-26.7
+# against 32.7-33.2 ms a step over the standard rule (6 of 72 positions recomputed on float32 rows); argmax
+# votes keep the bfloat16 rows, which read less than the bags and certify at a glance.
 
 
 @dataclass
