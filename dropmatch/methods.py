@@ -207,10 +207,11 @@ def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None
     oneDNN and a float32 head the heads take sparse columns at small K p_drop (greedy corrections in 8 bits
     on x86, else bfloat16 where native), else K-row passes (see :class:`~dropmatch.heads.dropout.DropoutHead`)."""
     dtype = _dtype(head_dtype, target.device) if head_dtype else default_head_dtype(target.head_weight)
-    # greedy corrections of sparse heads on an x86 CPU: 8-bit columns, unless float32 heads were asked for
-    # (default_head_dtype's float32 on CPUs without native bfloat16 asks nothing: fbgemm runs there too)
-    eight_bit = (target.device.type == "cpu" and byte_bags_supported() and not target.softcap
-                 and (head_dtype is None or dtype in (torch.bfloat16, torch.float16)))
+    # greedy corrections of sparse heads on a float32 head on an x86 CPU: 8-bit columns, unless float32 heads were
+    # asked for (default_head_dtype's float32 on CPUs without native bfloat16 asks nothing: fbgemm runs there too).
+    # Their bound is against float32 products, the reference precision of a float32 head only
+    eight_bit = (target.device.type == "cpu" and target.head_weight.dtype == torch.float32 and byte_bags_supported()
+                 and not target.softcap and (head_dtype is None or dtype in (torch.bfloat16, torch.float16)))
     return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
                        weight_in_compute_dtype=target.head_weight_as(dtype),
                        sparse_dtype=BYTE_ROWWISE if eight_bit else None)

@@ -228,9 +228,10 @@ class DropoutHead:
             if sparse:
                 self.compute_dtype = torch.float32
         self.sparse_dtype = sparse_dtype or self.compute_dtype
-        if self.sparse_dtype == BYTE_ROWWISE and not (weight.device.type == "cpu" and byte_bags_supported()):
-            raise ConfigError("8-bit row-wise sparse corrections (sparse_dtype=torch.quint8) need a CPU weight and a "
-                              "torch with fbgemm (x86)")
+        if self.sparse_dtype == BYTE_ROWWISE and not (weight.device.type == "cpu" and weight.dtype == torch.float32
+                                                       and byte_bags_supported()):
+            raise ConfigError("8-bit row-wise sparse corrections (sparse_dtype=torch.quint8) need a float32 CPU weight "
+                              "(their bound is against float32 products) and a torch with fbgemm (x86)")
         self.exact_rows = bool(exact_rows)
         if rows_dtype is None:
             native_bf16 = weight.device.type == "cpu" and bf16_matmul_supported()
