@@ -49,9 +49,11 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     dm.add_argument("--majority", default=d.majority, help="strict (> K/2) or plurality")
     dm.add_argument("--literal", action="store_true",
                     help="paper-literal: the criterion decides every position, exact matches included")
-    dm.add_argument("--head-dtype", help="dtype of the dropout heads' GEMM (default bfloat16; a CPU float32 head "
-                                         "computes exact float32 heads except bfloat16 rows for greedy naive / "
-                                         "majority votes on CPUs with native bfloat16; a warning says when)")
+    dm.add_argument("--head-dtype", help="dtype of the dropout heads' GEMM (default bfloat16; on a CPU float32 head, "
+                                         "greedy steps certify exact decisions on 8-bit sparse corrections on x86 "
+                                         "and on bfloat16 rows for naive / majority votes where bfloat16 is native, "
+                                         "sampled steps compute exact float32 heads; float32 asks for exact heads "
+                                         "throughout; a warning says when the dtype does not apply)")
     rv = parser.add_argument_group("rivals (--method topk|typical|divergence|fly|ensemble)")
     rv.add_argument("--topk", type=int, default=d.topk, help="top-K acceptance: K")
     rv.add_argument("--typical-eps", type=float, default=d.typical_eps)
