@@ -20,7 +20,8 @@ correction is within
 of the exact one at every token: one number per head, as :func:`~dropmatch.rules.dropmatch.tail_certified_decide`
 reads (:func:`byte_correction_bounds` gives it without the 1 / (1 - p), in units of ``W[:, D] h_D``, as the
 other sparse bounds). On the embedded pair it is ~0.02-0.06 nats at p_drop = 0.032, about a fifth of the
-bfloat16 path's bound (whose output rounding and Cauchy-Schwarz terms dominate).
+bfloat16 path's bound (whose output rounding and Cauchy-Schwarz terms dominate). The bound is against
+float32 products, the exact heads of a float32 head weight: ``DropoutHead`` takes 8-bit columns for those only.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from ..onednn_linear import memory_key, weight_stamp
 
 BYTE_ROWWISE = torch.quint8  # the ``sparse_dtype`` that names this format (8-bit row-wise W^T blocks)
 # vocabulary columns per block: twice the float blocks' (the sums of a bag still fit in cache), measured with
-# the caches flushed as a verify step leaves them (embedded pair, K = 5, p_drop = 0.032, 2-core AMX Xeon): 1.16 ms
-# at 32768 against 1.42 ms at 16384, 1.38 ms at 65536 and 1.82 ms for whole columns
+# the caches flushed as a verify step leaves them (a random weight of the embedded pair's 262k x 640, K = 5,
+# p_drop = 0.032, 2-core AMX Xeon): 1.16 ms at 32768 against 1.42 ms at 16384, 1.38 ms at 65536 and 1.82 ms
+# for whole columns
 BYTE_VOCAB_BLOCK = 32768
 
 
