@@ -14,7 +14,7 @@ from .drafters import Drafter, LookupFirstDrafter, ModelDrafter, NgramDrafter, c
 from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .heads import DropoutHead, check_dropout_args, default_head_dtype
-from .heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
+from .heads.byte_columns import BYTE_ROWWISE, byte_columns_supported
 from .models import CausalLM, ModelPair, _dtype
 from .rules import (
     AnyOf,
@@ -210,8 +210,8 @@ def dropout_head(target: CausalLM, k: int, p_drop: float, head_dtype: str | None
     # greedy corrections of sparse heads on a float32 head on an x86 CPU: 8-bit columns, unless float32 heads were
     # asked for (default_head_dtype's float32 on CPUs without native bfloat16 asks nothing: fbgemm runs there too).
     # Their bound is against float32 products, the reference precision of a float32 head only
-    eight_bit = (target.device.type == "cpu" and target.head_weight.dtype == torch.float32 and byte_bags_supported()
-                 and not target.softcap and (head_dtype is None or dtype in (torch.bfloat16, torch.float16)))
+    eight_bit = (byte_columns_supported(target.head_weight) and not target.softcap
+                 and (head_dtype is None or dtype in (torch.bfloat16, torch.float16)))
     return DropoutHead(target.head_weight, k, p_drop, compute_dtype=dtype, softcap=target.softcap,
                        weight_in_compute_dtype=target.head_weight_as(dtype),
                        sparse_dtype=BYTE_ROWWISE if eight_bit else None)

@@ -72,7 +72,7 @@ def test_8bit_columns_are_refused_where_they_cannot_run(monkeypatch):
     if byte_bags_supported():  # a bfloat16 weight: its exact heads are not the float32 products the bound is against
         with pytest.raises(ConfigError, match="float32 CPU weight"):
             DropoutHead(torch.randn(100, 16).bfloat16(), k=5, p_drop=0.03, sparse=True, sparse_dtype=BYTE_ROWWISE)
-    monkeypatch.setattr(dropout, "byte_bags_supported", lambda: False)
+    monkeypatch.setattr(dropout, "byte_columns_supported", lambda weight: False)  # as without fbgemm
     with pytest.raises(ConfigError, match="fbgemm"):
         DropoutHead(torch.randn(100, 16), k=5, p_drop=0.03, sparse=True, sparse_dtype=BYTE_ROWWISE)
     default = DropoutHead(torch.randn(100, 16), k=5, p_drop=0.03, compute_dtype=torch.bfloat16)

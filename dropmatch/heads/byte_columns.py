@@ -49,6 +49,12 @@ def byte_bags_supported() -> bool:
     return "fbgemm" in engines or "x86" in engines
 
 
+def byte_columns_supported(weight: torch.Tensor) -> bool:
+    """Whether 8-bit columns may serve ``weight``: a float32 CPU weight (the bound is against float32 products,
+    the exact heads of a float32 head only) on a torch with fbgemm."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and byte_bags_supported()
+
+
 @dataclass(eq=False)
 class ByteBlocks:
     """W^T in vocabulary blocks, 8 bits a entry: ``packed`` (n_blocks * d, width + 8) uint8 (row ``b * d + j``

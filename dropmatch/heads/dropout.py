@@ -71,7 +71,7 @@ from .byte_columns import (
     BYTE_VOCAB_BLOCK,
     ByteBlocks,
     byte_bag_sums,
-    byte_bags_supported,
+    byte_columns_supported,
     byte_correction_bounds,
     shared_byte_blocks,
 )
@@ -224,12 +224,11 @@ class DropoutHead:
             reduced = self.compute_dtype in (torch.bfloat16, torch.float16)  # a reduced precision was asked for
             native = self.compute_dtype == torch.bfloat16 and bf16_matmul_supported()
             fallback = torch.bfloat16 if native else torch.float32
-            sparse_dtype = sparse_dtype or (BYTE_ROWWISE if reduced and byte_bags_supported() else fallback)
+            sparse_dtype = sparse_dtype or (BYTE_ROWWISE if reduced and byte_columns_supported(weight) else fallback)
             if sparse:
                 self.compute_dtype = torch.float32
         self.sparse_dtype = sparse_dtype or self.compute_dtype
-        if self.sparse_dtype == BYTE_ROWWISE and not (weight.device.type == "cpu" and weight.dtype == torch.float32
-                                                       and byte_bags_supported()):
+        if self.sparse_dtype == BYTE_ROWWISE and not byte_columns_supported(weight):
             raise ConfigError("8-bit row-wise sparse corrections (sparse_dtype=torch.quint8) need a float32 CPU weight "
                               "(their bound is against float32 products) and a torch with fbgemm (x86)")
         self.exact_rows = bool(exact_rows)

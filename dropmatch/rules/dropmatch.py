@@ -576,10 +576,15 @@ class DropMatch:
     def heads_dtype(self, sampling: SamplingConfig) -> torch.dtype:
         """The dtype of the GEMM that gives the K heads under ``sampling``: :meth:`rows_dtype` on the rows
         path, :meth:`corrections_dtype` on the sparse path, else the head's compute dtype."""
-        head = self.heads_for(sampling)
-        if head.exact_rows:
-            return self.rows_dtype(sampling)
-        return self.corrections_dtype(sampling) if head.sparse else head.compute_dtype
+        if self._takes_sparse_twin(sampling) or self.head.sparse:
+            return self.corrections_dtype(sampling)
+        return self.rows_dtype(sampling) if self.head.exact_rows else self.head.compute_dtype
+
+    def _takes_sparse_twin(self, sampling: SamplingConfig) -> bool:
+        """Whether :meth:`heads_for` gives the sparse twin (without building it)."""
+        head = self.head
+        return (sampling.greedy and head.exact_rows and self.criterion in JS_CRITERIA and not head.softcap
+                and head.sparse_dtype == BYTE_ROWWISE and head.k * head.p_drop <= EIGHT_BIT_MAX_DROPPED)
 
     def heads_for(self, sampling: SamplingConfig) -> DropoutHead:
         """The dropout heads that compute a step's K heads under ``sampling``: :attr:`head`, except that on a
@@ -587,8 +592,7 @@ class DropMatch:
         8-bit corrections (its :attr:`~DropoutHead.sparse_dtype`) while K p_drop <= :data:`EIGHT_BIT_MAX_DROPPED`;
         its decisions are certified as any sparse head's, and recomputed on the rows head's exact rows where not."""
         head = self.head
-        if not (sampling.greedy and head.exact_rows and self.criterion in JS_CRITERIA and not head.softcap
-                and head.sparse_dtype == BYTE_ROWWISE and head.k * head.p_drop <= EIGHT_BIT_MAX_DROPPED):
+        if not self._takes_sparse_twin(sampling):
             return head
         if self._sparse_twin is None:
             self._sparse_twin = DropoutHead(head.weight, head.k, head.p_drop, compute_dtype=torch.float32, sparse=True,
