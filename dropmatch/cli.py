@@ -51,6 +51,7 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
                     help="paper-literal: the criterion decides every position, exact matches included")
     dm.add_argument("--head-dtype", help="dtype of the dropout heads' GEMM (default bfloat16; on a CPU float32 head, "
                                          "greedy steps certify exact decisions on 8-bit sparse corrections on x86 "
+                                         "(one int8 GEMM over the head where K p_drop >= 0.5 and oneDNN runs it) "
                                          "and on bfloat16 rows for naive / majority votes where bfloat16 is native, "
                                          "sampled steps compute exact float32 heads; float32 asks for exact heads "
                                          "throughout; a warning says when the dtype does not apply)")

@@ -16,6 +16,12 @@ from dropmatch.heads.dropout import DropoutHead
 needs_fbgemm = pytest.mark.skipif(not byte_bags_supported(), reason="needs fbgemm's 8-bit embedding bags (x86)")
 
 
+@pytest.fixture(autouse=True)
+def bags_at_every_p_drop(monkeypatch):
+    """These tests are of the embedding bags: no int8 GEMM past the crossover (tests/test_int8_gemm.py)."""
+    monkeypatch.setattr(dropout, "INT8_GEMM_MIN_DROPPED", float("inf"))
+
+
 def _case(vocab: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(vocab, d, generator=g) * 0.3

@@ -138,10 +138,19 @@ def tail_case(seed: int, vocab: int = 3000, k: int = 5):
 
 @pytest.mark.parametrize("criterion", CRITERIA)
 @pytest.mark.parametrize("q_is_logits", [True, False], ids=["draft-logits", "draft-probs"])
-def test_tail_certified_decisions_equal_exact_ones(criterion, q_is_logits, monkeypatch):
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared-cut", "per-head-cut"])
+def test_tail_certified_decisions_equal_exact_ones(criterion, q_is_logits, per_head, monkeypatch):
+    """Per-head cuts (taken past SHARED_CUT_MAX_KEPT kept tokens) run on heads whose ln Z lie apart: each head's
+    logits scaled by its own factor (as heads spread apart at a large p_drop)."""
+    if per_head:
+        monkeypatch.setattr(dropmatch_rules, "SHARED_CUT_MAX_KEPT", 0)
     verdicts = []
     for seed in range(120):
         exact_logits, approx, err, token, draft_logits = tail_case(seed)
+        if per_head:
+            spread = torch.linspace(0.5, 1.5, exact_logits.shape[0]).unsqueeze(-1)
+            exact_logits, approx = spread * exact_logits, spread * exact_logits + (approx - exact_logits)
+            token = int(exact_logits[int(seed % exact_logits.shape[0])].argmax()) if seed % 2 else token
         draft = draft_logits if q_is_logits else torch.softmax(draft_logits, -1)
         gathered = []
 
@@ -190,6 +199,27 @@ def test_tail_certified_understated_error_certifies_a_wrong_vote():
     assert decide("naive", exact_logits, 0, torch.softmax(draft, -1), GREEDY) is False
     assert tail_certified_decide("naive", approx, torch.full((3,), 6.0), exact_on, 0, draft, True) is False
     assert tail_certified_decide("naive", approx, torch.zeros(3), exact_on, 0, draft, True) is True
+
+
+def test_per_head_cut_keeps_a_head_s_argmax_or_finds_it_apart(monkeypatch):
+    """A head whose ln Z lies 30 nats above the others' has its true argmax computed 5 nats low, out of its own
+    cut: the gather does not hold it, and its vote must come from :func:`exact_argmaxes`. A threshold taken at
+    the lowest ln Z instead of the head's own would take the gather's best token for its argmax and accept."""
+    monkeypatch.setattr(dropmatch_rules, "SHARED_CUT_MAX_KEPT", 0)
+    base = torch.full((1000,), -20.0)
+    base[0], base[100:200] = 5.0, 4.0
+    exact_logits = base.repeat(3, 1)
+    exact_logits[0] += 30.0
+    exact_logits[0, 1] = 35.5  # head 0's argmax; heads 1 and 2 vote 0 and 100
+    exact_logits[2, 100] = 5.5
+    approx = exact_logits.clone()
+    approx[0, 1] -= 5.0
+    draft_logits = torch.full((1000,), -20.0)
+    draft_logits[0] = 20.0  # far from the centroid: the JS test rejects
+    assert decide("js+majority", exact_logits, 0, torch.softmax(draft_logits, -1), GREEDY,
+                  draft_logits=draft_logits) is False
+    assert tail_certified_decide("js+majority", approx, torch.tensor([5.0, 0.0, 0.0]),
+                                 lambda tokens: exact_logits[:, tokens], 0, draft_logits, True) is False
 
 
 def test_normalizer_interval_and_shift_sensitivity_hold():

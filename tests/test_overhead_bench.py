@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from dropmatch.benchmarks.dropmatch_overhead import measure_overhead, read_floor
+from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
 from dropmatch.heads.dropout import DropoutHead
+from dropmatch.heads.int8_gemm import int8_gemm_supported
 from dropmatch.models import load_pair
 from dropmatch.onednn_linear import onednn_linear_supported
 
@@ -30,6 +32,14 @@ def test_exact_rows_floor_is_one_read_of_the_weight():
     assert head.exact_rows
     assert read_floor(head, torch.float32)[0] == weight.numel() * 4 / 1e6
     assert read_floor(head, torch.bfloat16)[0] == weight.numel() * 2 / 1e6  # certified bfloat16 rows
+
+
+@pytest.mark.skipif(not (byte_bags_supported() and int8_gemm_supported()), reason="needs fbgemm and oneDNN's int8 GEMM")
+def test_int8_gemm_floor_is_one_int8_read_of_the_weight():
+    weight = torch.randn(512, 64)
+    head = DropoutHead(weight, k=5, p_drop=0.3, compute_dtype=torch.float32, sparse=True, sparse_dtype=BYTE_ROWWISE)
+    assert head.corrections_by_gemm
+    assert read_floor(head)[0] == weight.numel() / 1e6
 
 
 def test_dense_heads_have_no_read_of_their_own():

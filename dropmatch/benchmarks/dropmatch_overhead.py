@@ -135,6 +135,8 @@ def head_path(criterion) -> str:
     (certified), or sparse / dense heads in their compute dtype."""
     head, dtype = criterion.heads_for(SamplingConfig()), criterion.heads_dtype(SamplingConfig())
     name = "8-bit" if dtype == BYTE_ROWWISE else str(dtype).removeprefix("torch.")
+    if dtype == BYTE_ROWWISE and head.corrections_by_gemm:
+        return "sparse int8 GEMM"
     if head.exact_rows:
         return "exact rows" if dtype == head.weight.dtype else f"{name} rows"
     return f"{'sparse' if head.sparse else 'dense'} {name}"
@@ -153,13 +155,16 @@ def streaming_read_ms(tensor: torch.Tensor, repeats: int = 15) -> float:
 def read_floor(head: DropoutHead, rows_dtype: torch.dtype | None = None) -> tuple[float, float]:
     """(MB, ms): the bytes one position's K heads read on ``head``'s path and one streaming read of that
     many bytes. Rows read the whole weight in ``rows_dtype`` (default the head's); sparse heads ~K p_drop
-    d rows of W^T (each head's dropped columns, in expectation); dense heads ride in the verification
+    d rows of W^T (each head's dropped columns, in expectation), or all of W in int8 where their corrections
+    are one int8 GEMM (:attr:`DropoutHead.corrections_by_gemm`); dense heads ride in the verification
     GEMM: (0, 0)."""
     if head.exact_rows:
         data = head.weight_in(rows_dtype or head.rows_dtype)
     elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary
         columns = max(1, round(head.k * head.p_drop * head.weight.shape[1]))
-        if head.sparse_dtype == BYTE_ROWWISE:  # greedy corrections: a column's rows of every block, in 8 bits
+        if head.sparse_dtype == BYTE_ROWWISE and head.corrections_by_gemm:  # all of W in int8
+            data = torch.ones(head.weight.numel() // 4)  # as many bytes in float32
+        elif head.sparse_dtype == BYTE_ROWWISE:  # greedy corrections: a column's rows of every block, in 8 bits
             packed = head.byte_blocks().packed
             n_bytes = columns * (packed.shape[0] // head.weight.shape[1]) * packed.shape[1]
             data = torch.ones(n_bytes // 4)  # as many bytes in float32: an integer sum is no streaming read

@@ -34,7 +34,9 @@ that computes them directly:
 few columns in expectation (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`), else rows. The sparse
 corrections are float32 (exact); under greedy decoding, where reduced-precision heads were asked for (the
 default), they read W's columns in 8 bits (:attr:`DropoutHead.sparse_dtype`, fbgemm's row-wise format,
-:mod:`~dropmatch.heads.byte_columns`) on x86, else bfloat16 where the CPU has native bfloat16; their
+:mod:`~dropmatch.heads.byte_columns`) on x86, or, where many columns drop (K p_drop >= :data:`INT8_GEMM_MIN_DROPPED`),
+all of W in int8 through oneDNN's int8 GEMM (:mod:`~dropmatch.heads.int8_gemm`, AMX / AVX512-VNNI), else
+bfloat16 where the CPU has native bfloat16; their
 decisions are certified on one bound per head (see ``DropMatch.corrections_dtype``). Rows never read the
 clean logits; the sparse heads take the verify step's screened clean logits and certify their decisions.
 
@@ -75,6 +77,7 @@ from .byte_columns import (
     byte_correction_bounds,
     shared_byte_blocks,
 )
+from .int8_gemm import Int8Weight, int8_gemm_supported, int8_product_bounds, int8_products, shared_int8_weight
 from .screened import rounding_bound
 
 SPARSE_MAX_FRACTION = 0.35
@@ -93,6 +96,12 @@ SPARSE_FLOAT32_MAX_DROPPED = 0.5
 # K = 5, p_drop = 0.032, 2-core AVX2 EPYC: the bags take 8.6 against 11.7 ms; in `make bench-dropmatch`
 # js+majority's head + rule went from 22.0 to 16.9 ms a position.
 VOCAB_BLOCK = 16384
+# CPU 8-bit corrections: embedding bags over the dropped columns while a position's K heads drop fewer than this
+# many coordinates in expectation (K p_drop, in units of d), else one int8 GEMM over all of W where oneDNN runs
+# it (:mod:`~dropmatch.heads.int8_gemm`), whose cost does not depend on p_drop. Embedded pair, K = 5, one
+# position, caches flushed, 2-core AMX Xeon (bags against GEMM, ms): 2.4 / 8.6 at K p = 0.16, 8.7 / 8.4 at 0.5,
+# 12.4 / 8.6 at 1.0, 16.2 / 8.5 at 1.5, 22.5 / 8.4 at 2.0; bounds 0.06 / 0.08 nats at 0.16, 0.49 / 0.56 at 1.5.
+INT8_GEMM_MIN_DROPPED = 0.5
 
 _TRANSPOSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (weight memory, dtype, block) -> W^T
 
@@ -212,6 +221,7 @@ class DropoutHead:
         self._weight_t: torch.Tensor | None = None
         self._blocks: dict[torch.dtype, torch.Tensor] = {}  # W^T in vocabulary blocks, per dtype
         self._byte_blocks: ByteBlocks | None = None  # the same in 8 bits (BYTE_ROWWISE corrections)
+        self._int8_weight: Int8Weight | None = None  # W in int8 for oneDNN (BYTE_ROWWISE, many dropped columns)
         self._dense_kernel: FewRowLinear | None = None
         self._exact_linear = shared_few_row_linear(weight)  # oneDNN for exact heads on CPU, one copy per weight
         if (exact_rows is None and sparse is None and weight.dtype == torch.float32
@@ -261,7 +271,7 @@ class DropoutHead:
         assign=True)``) needs new heads (build the method again)."""
         if self._watch.changed(self.weight):
             self._weight_c = self._weight_t = None  # a copy given at construction too
-            self._blocks, self._byte_blocks = {}, None
+            self._blocks, self._byte_blocks, self._int8_weight = {}, None, None
             self._dense_kernel = self._rows_kernel = None
             self._norms = None
             self.max_row_norm = self._max_row_norm()
@@ -314,6 +324,19 @@ class DropoutHead:
             self._byte_blocks = shared_byte_blocks(self.weight, self.vocab_block or BYTE_VOCAB_BLOCK)
         return self._byte_blocks
 
+    @property
+    def corrections_by_gemm(self) -> bool:
+        """Whether the 8-bit corrections are one int8 GEMM over all of W (many dropped columns, K p_drop >=
+        :data:`INT8_GEMM_MIN_DROPPED`, where oneDNN's int8 GEMM runs) rather than embedding bags over them."""
+        return (self.sparse_dtype == BYTE_ROWWISE and self.k * self.p_drop >= INT8_GEMM_MIN_DROPPED
+                and int8_gemm_supported())
+
+    def int8_weight(self) -> Int8Weight:
+        """W in int8 for oneDNN's int8 GEMM (built once, see :func:`~dropmatch.heads.int8_gemm.shared_int8_weight`)."""
+        if self._int8_weight is None:
+            self._int8_weight = shared_int8_weight(self.weight)
+        return self._int8_weight
+
     # -- randomness ------------------------------------------------------------------------------
     def draw_masks(self, n_positions: int, generator: torch.Generator, consume: bool = True) -> torch.Tensor:
         """Keep-masks (n_positions, K, d), bool, on the weight's device.
@@ -364,6 +387,10 @@ class DropoutHead:
             corrections = torch.mm(coeffs.to(columns.dtype), columns).float().view(n, k, -1)
             return torch.sub(clean, corrections, out=corrections).div_(1.0 - self.p_drop)
         dtype = dtype or self.compute_dtype
+        if dtype == BYTE_ROWWISE and self.corrections_by_gemm:  # every column of W, once, for all the heads
+            corrections = int8_products(self.int8_weight(), (hidden.float().unsqueeze(1) * dropped).view(n * k, d),
+                                        1.0 / (1.0 - self.p_drop)).view(n, k, -1)
+            return torch.sub(clean / (1.0 - self.p_drop), corrections, out=corrections)
         if dtype == BYTE_ROWWISE:
             blocks = self.byte_blocks()
             n_blocks, width = blocks.packed.shape[0] // d, blocks.width
@@ -522,7 +549,12 @@ class DropoutHead:
             # |clean| + |correction| <= 2 max ||W_v|| ||h||: 3 u against the 4 u allowed); zero where nothing drops
             dropped = ~masks
             subtraction = 2.0**-22 * self.max_row_norm * hidden.float().norm(dim=-1, keepdim=True)
-            bounds = byte_correction_bounds(self.byte_blocks(), hidden, dropped) + subtraction
+            if self.corrections_by_gemm:
+                n, k, d = dropped.shape
+                inputs = (hidden.float().unsqueeze(1) * dropped).view(n * k, d)
+                bounds = int8_product_bounds(self.int8_weight(), inputs).view(n, k) + subtraction
+            else:
+                bounds = byte_correction_bounds(self.byte_blocks(), hidden, dropped) + subtraction
             return torch.where(dropped.any(-1), bounds, 0.0)
         h = hidden.float().unsqueeze(1)
         x_norm = (h * (keep_scale(masks, self.p_drop) - 1.0) if dense else h * ~masks).norm(dim=-1)  # (n, K): ||delta||, ||h_D||

@@ -29,11 +29,11 @@ those computed from exact float32 head logits.
 
 * Greedy decoding (:func:`tail_certified_decide`, one bound per head): votes are the heads' exact
   argmaxes among the tokens within twice the bound of each head's computed top. The JS test makes its
-  kept tokens exact (the likely tokens of the heads, the centroid and the draft, first at 1e-4: ~0.6-1.4k
-  of 262k on the embedded pair); what stays uncertain is each normalizer, over a tail of small mass known
-  within e^{+-bound}, and a normalizer's error moves the JS of close distributions little
-  (:func:`_shift_sensitivity`). On the embedded pair it decides every position of 72 recorded steps
-  (js+majority, p_drop 0.032, 8-bit corrections).
+  kept tokens exact (the likely tokens of the heads, the centroid and the draft, first at 1e-3, then 1e-4,
+  ...: a few hundred to a few thousand of 262k on the embedded pair); what stays uncertain is each
+  normalizer, over a tail of small mass known within e^{+-bound}, and a normalizer's error moves the JS of
+  close distributions little (:func:`_shift_sensitivity`). On the embedded pair it decides every position of
+  35 recorded steps (js+majority, 8-bit corrections, p_drop 0.032 and 0.3).
 * Sampling (:func:`certified_decide`, per-token bounds): the tokens near each head's top are made exact,
   then head argmaxes, per-head acceptance probabilities and the JS comparison are bounded over the whole
   vocabulary (how far JS can move: :func:`js_error_bound`).
@@ -108,9 +108,13 @@ def _votes_decide(criterion: str, votes: torch.Tensor, tokens: torch.Tensor | No
 JS_TAILS = (1e-5, 1e-7)  # probabilities below which a token (in every head, the centroid and the draft) is
 # left out, tried in turn: on the embedded pair ~1-7k tokens stay at 1e-5 and the bounds decide ~95 % of
 # the tests; the smaller cut decides most of the rest, where the full test costs ~3x the bounded ones
-GATHERED_JS_TAILS = (1e-4, *JS_TAILS)  # the same for :func:`tail_certified_decide`, whose kept tokens cost a
-# gather of their rows of W: the embedded pair keeps ~0.6k tokens at 1e-4 against ~2.7k at 1e-5, and the
-# bounds still decide ~9 in 10 tests there (js+majority, p_drop 0.032: 2.7 against 4.0 ms a decision)
+GATHERED_JS_TAILS = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7)  # the same for :func:`tail_certified_decide`, whose kept tokens
+# cost a gather of their rows of W (each token once over the cuts): the embedded pair keeps ~0.6k tokens at 1e-4
+# against ~2.7k at 1e-5 (p_drop 0.032), and at p_drop 0.3, where the heads spread, 1e-3 decides most tests on
+# far fewer tokens than 1e-4 did, and 1e-6 most of those 1e-5 leaves (35 recorded steps, js+majority, the
+# decisions alone, 2-core AMX Xeon: 5.2 ms a decision with 0 of 33 undecided, against 7.7 ms with 3 undecided
+# from (1e-4, 1e-5, 1e-7), each recomputed on float32 rows at ~30 ms; p_drop 0.032: 3.1-3.2 against 3.0 ms)
+SHARED_CUT_MAX_KEPT = 8192  # kept tokens above which :func:`tail_certified_decide` cuts each head on its own
 JS_MAX_KEPT = 1 / 8  # share of the vocabulary above which the JS test runs on the whole vocabulary
 
 
@@ -401,6 +405,11 @@ def exact_argmaxes(approx: torch.Tensor, err: torch.Tensor, exact_on: Callable[[
     return tokens[exact_on(tokens).argmax(-1)]  # tokens ascend, so ties go to the first, as over the vocabulary
 
 
+def _head_max(approx: torch.Tensor) -> torch.Tensor:
+    """The heads' largest computed logit at each token: (K, V) -> (V,)."""
+    return approx.amax(0) if approx.shape[0] > 1 else approx[0]
+
+
 def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tensor,
                           exact_on: Callable[[torch.Tensor], torch.Tensor], draft_token: int,
                           q: torch.Tensor, q_is_logits: bool, majority: str = "strict") -> bool | None:
@@ -423,9 +432,8 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     over the vocabulary is formed and the vocabulary is read a few times, so a decision on screened or
     bfloat16 logits costs little more than on exact ones.
     """
-    head_max = approx.amax(0) if approx.shape[0] > 1 else approx[0]
     if criterion not in JS_CRITERIA:
-        tokens = exact_argmaxes(approx, err, exact_on, head_max)
+        tokens = exact_argmaxes(approx, err, exact_on, _head_max(approx))
         return None if tokens is None else _votes_decide(criterion, tokens == draft_token, tokens, draft_token, majority)
     votes_pending = criterion == "js+majority"
     err = err.double()
@@ -435,19 +443,36 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     log_zq = float(_log_normalizers(q)) if q_is_logits else 0.0
     eta_q = torch.tensor(NORMALIZER_NOISE if q_is_logits else 0.0, dtype=torch.float64)  # ln Z from a float32 sum
     draft_total = 1.0 if q_is_logits else float(q.sum(dtype=torch.float64))
+    head_max, top_log_prob = _head_max(approx), None
+    lowest = min(float(log_z.min()), float(log_zc))
+    tokens = exact = None
     for tail in GATHERED_JS_TAILS:
         cut = math.log(tail)
-        floor = min(float(log_z.min()), float(log_zc)) + cut
-        tokens = torch.cat([indices_at_least(head_max, floor),
-                            indices_at_least(q, log_zq + cut if q_is_logits else tail)]).unique()
-        if tokens.numel() > _gather_limit(approx.shape[-1]):
+        # Kept: the tokens where a head's distribution, the centroid's or the draft's reaches the cut; any
+        # superset gives valid bounds, and a larger one tighter bounds at the cost of its gather. One threshold
+        # on the heads' largest logit, at the lowest ln Z (which also covers the centroid, the heads' mean), from
+        # one read; where the heads' ln Z lie apart that keeps far more (p_drop 0.3: up to 26k tokens at 1e-3,
+        # against at most 1k a distribution), and past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities
+        # are cut on their own. The tokens of earlier cuts stay (made exact once).
+        draft_pick = indices_at_least(q, log_zq + cut if q_is_logits else tail)
+        kept, head_floors = torch.cat([indices_at_least(head_max, lowest + cut), draft_pick]).unique(), lowest + cut
+        if kept.numel() > SHARED_CUT_MAX_KEPT:
+            if top_log_prob is None:
+                top_log_prob = torch.sub(approx, log_z.to(approx.dtype).unsqueeze(-1)).amax(0)
+            kept = torch.cat([indices_at_least(top_log_prob, cut), indices_at_least(centroid, float(log_zc) + cut),
+                              draft_pick]).unique()
+            head_floors = log_z + cut
+        new = kept if tokens is None else kept[~torch.isin(kept, tokens)]
+        if new.numel() + (0 if tokens is None else tokens.numel()) > _gather_limit(approx.shape[-1]):
             return None
-        exact = exact_on(tokens).double()  # (K, m)
+        new_exact = exact_on(new).double()  # (K, m)
+        tokens, exact = (new, new_exact) if tokens is None else (torch.cat([tokens, new]), torch.cat([exact, new_exact], -1))
         if votes_pending:  # the heads' argmaxes, from this gather where it holds them
             votes_pending = False
             top = exact.argmax(-1)  # first maxima: tokens ascend, as over the vocabulary
-            # a head's true argmax t has approx_t >= exact top - err: kept if that clears the cut
-            if bool((exact.gather(-1, top.unsqueeze(-1)).squeeze(-1) - err >= floor + 1e-3).all()):
+            # head k's true argmax t has approx_t >= exact top - err: kept if that clears head k's threshold
+            # (the 1e-3: float32 rounding of the threshold and of the computed log-probabilities)
+            if bool((exact.gather(-1, top.unsqueeze(-1)).squeeze(-1) - err >= head_floors + 1e-3).all()):
                 argmaxes = tokens[top]
             else:
                 argmaxes = exact_argmaxes(approx, err, exact_on, head_max)
@@ -483,7 +508,9 @@ EIGHT_BIT_MAX_DROPPED = 2.0
 # the bags then read at most 2 x d columns of W in 8 bits, half the float32 rows' bytes. Measured at K p_drop
 # = 1.5 (embedded pair, p_drop 0.3, js+majority, 35 recorded steps replayed, 2-core AMX Xeon): 26.4-26.7
 # against 32.7-33.2 ms a step over the standard rule (6 of 72 positions recomputed on float32 rows); argmax
-# votes keep the bfloat16 rows, which read less than the bags and certify at a glance.
+# votes keep the bfloat16 rows, which read less than the bags and certify at a glance. Where oneDNN's int8
+# GEMM runs, the corrections past K p_drop 0.5 are one int8 pass over W instead (168 MB, ~8.5 ms a position
+# on the embedded pair; see ``dropout.INT8_GEMM_MIN_DROPPED``), and the limit is kept where bags measured it.
 
 
 @dataclass
