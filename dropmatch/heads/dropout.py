@@ -222,6 +222,7 @@ class DropoutHead:
         self._blocks: dict[torch.dtype, torch.Tensor] = {}  # W^T in vocabulary blocks, per dtype
         self._byte_blocks: ByteBlocks | None = None  # the same in 8 bits (BYTE_ROWWISE corrections)
         self._int8_weight: Int8Weight | None = None  # W in int8 for oneDNN (BYTE_ROWWISE, many dropped columns)
+        self._gathered: torch.Tensor | None = None  # rows of W gathered by exact_on, reused
         self._dense_kernel: FewRowLinear | None = None
         self._exact_linear = shared_few_row_linear(weight)  # oneDNN for exact heads on CPU, one copy per weight
         if (exact_rows is None and sparse is None and weight.dtype == torch.float32
@@ -388,9 +389,8 @@ class DropoutHead:
             return torch.sub(clean, corrections, out=corrections).div_(1.0 - self.p_drop)
         dtype = dtype or self.compute_dtype
         if dtype == BYTE_ROWWISE and self.corrections_by_gemm:  # every column of W, once, for all the heads
-            corrections = int8_products(self.int8_weight(), (hidden.float().unsqueeze(1) * dropped).view(n * k, d),
-                                        1.0 / (1.0 - self.p_drop)).view(n, k, -1)
-            return torch.sub(clean / (1.0 - self.p_drop), corrections, out=corrections)
+            return int8_products(self.int8_weight(), hidden.float().unsqueeze(1) * dropped, -1.0 / (1.0 - self.p_drop),
+                                 clean / (1.0 - self.p_drop))
         if dtype == BYTE_ROWWISE:
             blocks = self.byte_blocks()
             n_blocks, width = blocks.packed.shape[0] // d, blocks.width
@@ -469,8 +469,12 @@ class DropoutHead:
         return logits, bounds
 
     def exact_on(self, hidden: torch.Tensor, masks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Exact head logits (n, K, |tokens|) on a token subset (rows of W gathered, weight precision)."""
-        rows = self.weight.index_select(0, tokens)
+        """Exact head logits (n, K, |tokens|) on a token subset (rows of W gathered, weight precision, into a
+        buffer kept for the next gather: a fresh one of 10-80 MB is fresh pages from the OS, which the gather
+        then faults in, ~2 ms for 4k rows of the embedded pair against ~1 ms)."""
+        if self._gathered is None or self._gathered.shape[0] < tokens.numel():
+            self._gathered = self.weight.new_empty((max(tokens.numel(), 4096), self.weight.shape[1]))
+        rows = torch.index_select(self.weight, 0, tokens, out=self._gathered[: tokens.numel()])
         raw = F.linear(dropout_inputs(hidden, masks, self.p_drop).to(rows.dtype), rows).float()
         return torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw
 
@@ -549,10 +553,9 @@ class DropoutHead:
             # |clean| + |correction| <= 2 max ||W_v|| ||h||: 3 u against the 4 u allowed); zero where nothing drops
             dropped = ~masks
             subtraction = 2.0**-22 * self.max_row_norm * hidden.float().norm(dim=-1, keepdim=True)
-            if self.corrections_by_gemm:
-                n, k, d = dropped.shape
-                inputs = (hidden.float().unsqueeze(1) * dropped).view(n * k, d)
-                bounds = int8_product_bounds(self.int8_weight(), inputs).view(n, k) + subtraction
+            if self.corrections_by_gemm:  # the clean logits added in two steps: twice the subtraction's roundings
+                inputs = hidden.float().unsqueeze(1) * dropped
+                bounds = int8_product_bounds(self.int8_weight(), inputs) + 2 * subtraction
             else:
                 bounds = byte_correction_bounds(self.byte_blocks(), hidden, dropped) + subtraction
             return torch.where(dropped.any(-1), bounds, 0.0)

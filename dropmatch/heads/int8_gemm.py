@@ -104,19 +104,27 @@ def _two_levels(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return torch.cat(levels).to(torch.int8), torch.cat(scales), residual.abs().amax(-1), first_residual
 
 
-def int8_products(weight: Int8Weight, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``scale * W x`` for the rows of ``x`` (m, d): (m, V) float32 (one int8 GEMM of 2m rows)."""
-    levels, steps, _, _ = _two_levels(x.float() * weight.column_scale)
+def int8_products(weight: Int8Weight, x: torch.Tensor, scale: float = 1.0,
+                  offset: torch.Tensor | None = None) -> torch.Tensor:
+    """``offset + scale * W x`` for the rows of ``x`` (..., d): (..., V) float32, from one int8 GEMM of two rows a
+    row of ``x``; ``offset`` broadcast against the result (e.g. (n, 1, V) for x (n, K, d)), or ``None`` (zero).
+    The offset costs two more roundings of the result."""
+    rows = x.reshape(-1, x.shape[-1])
+    levels, steps, _, _ = _two_levels(rows.float() * weight.column_scale)
     sums = torch.ops.onednn.qlinear_pointwise(levels, 1.0, 0, weight.packed, weight.row_scale, weight._zero_points,
                                               None, 1.0, 0, torch.float32, "none", [], "")  # s_v (Q_v . q)
-    m = x.shape[0]
+    m, shape = rows.shape[0], (*x.shape[:-1], -1)
     steps = steps * scale
-    return sums[:m].mul_(steps[:m]).addcmul_(sums[m:], steps[m:])
+    first, second = sums[:m].view(shape), sums[m:].view(shape)
+    first_steps, second_steps = steps[:m].view(*x.shape[:-1], 1), steps[m:].view(*x.shape[:-1], 1)
+    first = first.mul_(first_steps) if offset is None else torch.addcmul(offset, first, first_steps)
+    return first.addcmul_(second, second_steps)
 
 
 def int8_product_bounds(weight: Int8Weight, x: torch.Tensor) -> torch.Tensor:
-    """Bounds (m,) on the error of :func:`int8_products` of the rows of ``x`` (m, d) at every token, in units
-    of ``W x`` (before the scale; see the module docstring). Zero for a zero row (its products are exact zeros)."""
+    """Bounds (...,) on the error of :func:`int8_products` of the rows of ``x`` (..., d) at every token, in units
+    of ``W x`` (before the scale, without an offset's roundings; see the module docstring). Zero for a zero row
+    (its products are exact zeros)."""
     u = x.float() * weight.column_scale
     _, _, residual, first_residual = _two_levels(u)
     rounding = 2.0**-21 * (u.abs().amax(-1) + first_residual)

@@ -454,13 +454,15 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
         # one read; where the heads' ln Z lie apart that keeps far more (p_drop 0.3: up to 26k tokens at 1e-3,
         # against at most 1k a distribution), and past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities
         # are cut on their own. The tokens of earlier cuts stay (made exact once).
-        draft_pick = indices_at_least(q, log_zq + cut if q_is_logits else tail)
-        kept, head_floors = torch.cat([indices_at_least(head_max, lowest + cut), draft_pick]).unique(), lowest + cut
+        # one mask and one nonzero, ascending (0.51-0.55 ms, against 0.65-0.96 for two blocked picks and a
+        # unique, 262k tokens, 2-core AMX Xeon)
+        draft_reach = q >= (log_zq + cut if q_is_logits else tail)
+        kept, head_floors = (head_max >= lowest + cut).logical_or_(draft_reach).nonzero().flatten(), lowest + cut
         if kept.numel() > SHARED_CUT_MAX_KEPT:
             if top_log_prob is None:
                 top_log_prob = torch.sub(approx, log_z.to(approx.dtype).unsqueeze(-1)).amax(0)
-            kept = torch.cat([indices_at_least(top_log_prob, cut), indices_at_least(centroid, float(log_zc) + cut),
-                              draft_pick]).unique()
+            kept = ((top_log_prob >= cut).logical_or_(centroid >= float(log_zc) + cut).logical_or_(draft_reach)
+                    .nonzero().flatten())
             head_floors = log_z + cut
         new = kept if tokens is None else kept[~torch.isin(kept, tokens)]
         if new.numel() + (0 if tokens is None else tokens.numel()) > _gather_limit(approx.shape[-1]):
