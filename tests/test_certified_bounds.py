@@ -222,6 +222,19 @@ def test_per_head_cut_keeps_a_head_s_argmax_or_finds_it_apart(monkeypatch):
                                  lambda tokens: exact_logits[:, tokens], 0, draft_logits, True) is False
 
 
+def test_flat_heads_below_the_first_cut_go_on_to_the_next():
+    """Every distribution below 1e-3 everywhere (3000 logits within ~+-0.7): the first cut keeps nothing, and the
+    decision comes from the next one, equal to the exact decision (a rejection)."""
+    g = torch.Generator().manual_seed(0)
+    exact_logits = 0.2 * torch.randn(3000, generator=g) + 0.02 * torch.randn(3, 3000, generator=g)
+    approx, draft_logits = exact_logits + 0.005, 0.2 * torch.randn(3000, generator=g)  # a draft far off the heads
+    verdict = tail_certified_decide("js+majority", approx, torch.full((3,), 0.005),
+                                    lambda tokens: exact_logits[:, tokens], 7, draft_logits, True)
+    assert float(torch.softmax(exact_logits, -1).max()) < 1e-3
+    assert verdict is False and decide("js+majority", exact_logits, 7, torch.softmax(draft_logits, -1), GREEDY,
+                                       draft_logits=draft_logits) is False
+
+
 def test_normalizer_interval_and_shift_sensitivity_hold():
     """ln Z of logits exact on a kept subset and off by up to err elsewhere lies in the interval, the
     tail mass below its bound; and the kept JS part moves by at most the shift sensitivity when each

@@ -399,3 +399,18 @@ def test_sampled_steps_take_exact_sparse_corrections_on_the_cpu_default(top_p):
         evaluations += rule.counters.evaluations
         assert rule.counters.exact_fallbacks == 0 and rule.counters.refined_tokens == 0
     assert evaluations > 0
+
+
+def test_exact_on_reuses_its_gather_buffer_in_and_out_of_inference_mode():
+    """exact_on gathers into a kept buffer; one allocated under inference mode is not written outside it."""
+    weight = torch.randn(300, 16)
+    head = DropoutHead(weight, k=3, p_drop=0.3, compute_dtype=torch.float32, sparse=True)
+    hidden = torch.randn(1, 16)
+    masks = head.draw_masks(1, torch.Generator().manual_seed(0))
+    tokens = torch.tensor([3, 7, 250])
+    expected = F.linear(hidden.double().unsqueeze(1) * masks / 0.7, weight[tokens].double())
+    with torch.inference_mode():
+        inside = head.exact_on(hidden, masks, tokens)
+    outside = head.exact_on(hidden, masks, torch.tensor([3, 7, 250]))
+    for got in (inside, outside):
+        assert torch.allclose(got.double(), expected, atol=1e-5)

@@ -472,7 +472,8 @@ class DropoutHead:
         """Exact head logits (n, K, |tokens|) on a token subset (rows of W gathered, weight precision, into a
         buffer kept for the next gather: a fresh one of 10-80 MB is fresh pages from the OS, which the gather
         then faults in, ~2 ms for 4k rows of the embedded pair against ~1 ms)."""
-        if self._gathered is None or self._gathered.shape[0] < tokens.numel():
+        if (self._gathered is None or self._gathered.shape[0] < tokens.numel()
+                or self._gathered.is_inference() != torch.is_inference_mode_enabled()):  # written in place below
             self._gathered = self.weight.new_empty((max(tokens.numel(), 4096), self.weight.shape[1]))
         rows = torch.index_select(self.weight, 0, tokens, out=self._gathered[: tokens.numel()])
         raw = F.linear(dropout_inputs(hidden, masks, self.p_drop).to(rows.dtype), rows).float()

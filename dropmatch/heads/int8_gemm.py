@@ -19,7 +19,11 @@ position's K = 5 heads take ~8.8 ms where the bags at p_drop 0.3 take ~15 ms.
 
 with ``error[j]`` = max_v |W_vj - s_v Q_vj a_j| measured once per column (plus 2^-22 a_j for the float32
 rounding of that measurement), and ``gain`` = max_v s_v sum_j |Q_vj|, which bounds |s_v Q_v . e| / max |e|
-for the input's residual and the few float32 roundings of the outputs (int32 sums below 2^24 are exact).
+for the input's residual. The 2^-21 (8 units of 2^-24) covers the float32 roundings of each level's products,
+relative to gain times that level's largest input: fl(a x), fl(q t) (the subtractions that form the residuals
+are exact), the int32 sum's conversion to float32 (exact below 2^24, i.e. d <= 1040; else one rounding), the
+products by s_v, by the step and by the scale (about 7 of the 8). An offset adds two roundings relative to
+the result (charged by its caller). oneDNN is checked once to sum exactly (:func:`int8_gemm_supported`).
 """
 
 from __future__ import annotations
@@ -36,13 +40,28 @@ from ..onednn_linear import memory_key, weight_stamp
 @functools.cache
 def int8_gemm_supported() -> bool:
     """Whether this CPU and torch run oneDNN's int8 GEMM with exact int32 sums: AMX or AVX512-VNNI (older
-    int8 instructions add pairs of products in saturating int16) and torch's ``onednn.qlinear`` ops."""
+    int8 instructions add pairs of products in saturating int16), torch's ``onednn.qlinear`` ops, and a GEMM of
+    extreme int8 values that comes out exact (oneDNN may be capped below the CPU, ``ONEDNN_MAX_CPU_ISA``)."""
     try:
         ops = hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")
         return bool(ops and torch.backends.mkldnn.is_available()
-                    and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_vnni_supported()))
+                    and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_vnni_supported())
+                    and _sums_are_exact())
     except (AttributeError, RuntimeError):
         return False
+
+
+def _sums_are_exact() -> bool:
+    """One int8 GEMM whose pairs of products overflow int16 (+-127 x +-127, unit scales): exact int32 sums
+    equal the float64 product; saturating or range-reduced kernels do not."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.where(torch.rand(64, 256, generator=g) < 0.5, -127, 127).to(torch.int8)
+    inputs = torch.stack([torch.full((256,), 127), torch.full((256,), -127), weight[0].long(), -weight[1].long()])
+    packed = torch.ops.onednn.qlinear_prepack(weight, None)
+    sums = torch.ops.onednn.qlinear_pointwise(inputs.to(torch.int8), 1.0, 0, packed, torch.ones(64),
+                                              torch.zeros(64, dtype=torch.long), None, 1.0, 0, torch.float32,
+                                              "none", [], "")
+    return bool(torch.equal(sums.double(), inputs.double() @ weight.double().T))
 
 
 @dataclass(eq=False)

@@ -458,12 +458,14 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
         # unique, 262k tokens, 2-core AMX Xeon)
         draft_reach = q >= (log_zq + cut if q_is_logits else tail)
         kept, head_floors = (head_max >= lowest + cut).logical_or_(draft_reach).nonzero().flatten(), lowest + cut
-        if kept.numel() > SHARED_CUT_MAX_KEPT:
+        if kept.numel() > min(SHARED_CUT_MAX_KEPT, _gather_limit(approx.shape[-1])):
             if top_log_prob is None:
                 top_log_prob = torch.sub(approx, log_z.to(approx.dtype).unsqueeze(-1)).amax(0)
             kept = ((top_log_prob >= cut).logical_or_(centroid >= float(log_zc) + cut).logical_or_(draft_reach)
                     .nonzero().flatten())
             head_floors = log_z + cut
+        if tokens is None and kept.numel() == 0:  # every distribution flat below this cut
+            continue
         new = kept if tokens is None else kept[~torch.isin(kept, tokens)]
         if new.numel() + (0 if tokens is None else tokens.numel()) > _gather_limit(approx.shape[-1]):
             return None
