@@ -34,11 +34,11 @@ that computes them directly:
 few columns in expectation (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`), else rows. The sparse
 corrections are float32 (exact); under greedy decoding, where reduced-precision heads were asked for (the
 default), they read W's columns in 8 bits (:attr:`DropoutHead.sparse_dtype`, fbgemm's row-wise format,
-:mod:`~dropmatch.heads.byte_columns`) on x86, or, where many columns drop (K p_drop >= :data:`INT8_GEMM_MIN_DROPPED`),
-all of W in int8 through oneDNN's int8 GEMM (:mod:`~dropmatch.heads.int8_gemm`, AMX / AVX512-VNNI), else
-bfloat16 where the CPU has native bfloat16; their
-decisions are certified on one bound per head (see ``DropMatch.corrections_dtype``). Rows never read the
-clean logits; the sparse heads take the verify step's screened clean logits and certify their decisions.
+:mod:`~dropmatch.heads.byte_columns`) on x86, or, where many columns drop (K p_drop >=
+:data:`INT8_GEMM_MIN_DROPPED`), all of W in int8 through oneDNN's int8 GEMM (:mod:`~dropmatch.heads.int8_gemm`,
+AMX / AVX512-VNNI), else bfloat16 where the CPU has native bfloat16; their decisions are certified on one
+bound per head (see ``DropMatch.corrections_dtype``). Rows never read the clean logits; the sparse heads take
+the verify step's screened clean logits and certify their decisions.
 
 Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
 dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d
