@@ -162,12 +162,14 @@ def read_floor(head: DropoutHead, rows_dtype: torch.dtype | None = None) -> tupl
         data = head.weight_in(rows_dtype or head.rows_dtype)
     elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary
         columns = max(1, round(head.k * head.p_drop * head.weight.shape[1]))
-        if head.sparse_dtype == BYTE_ROWWISE and head.corrections_by_gemm:  # all of W in int8
-            data = torch.ones(head.weight.numel() // 4)  # as many bytes in float32
-        elif head.sparse_dtype == BYTE_ROWWISE:  # greedy corrections: a column's rows of every block, in 8 bits
-            packed = head.byte_blocks().packed
-            n_bytes = columns * (packed.shape[0] // head.weight.shape[1]) * packed.shape[1]
-            data = torch.ones(n_bytes // 4)  # as many bytes in float32: an integer sum is no streaming read
+        if head.sparse_dtype == BYTE_ROWWISE:  # greedy corrections in 8 bits: all of W for the int8 GEMM, else
+            # a column's rows of every block; as many bytes in float32 (an integer sum is no streaming read)
+            if head.corrections_by_gemm:
+                n_bytes = head.weight.numel()
+            else:
+                packed = head.byte_blocks().packed
+                n_bytes = columns * (packed.shape[0] // head.weight.shape[1]) * packed.shape[1]
+            data = torch.ones(n_bytes // 4)
         else:
             data = head.blocks_in(head.sparse_dtype).view(-1)[: columns * head.weight.shape[0]]
     else:

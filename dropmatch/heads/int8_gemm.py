@@ -111,7 +111,7 @@ def shared_int8_weight(weight: torch.Tensor, chunk: int = 32768) -> Int8Weight:
 def _two_levels(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``u`` (m, d) float32 as t1 q1 + t2 q2 + r2 per row: (q1; q2) (2m, d) int8, scales (t1; t2) (2m, 1),
     the residuals' largest entries max |r2| and max |u - t1 q1| (m,)."""
-    levels, scales, residual = [], [], u
+    levels, scales, residual_max, residual = [], [], [], u
     for _ in range(2):
         scale = residual.abs().amax(-1, keepdim=True) / 127
         scale = torch.where(scale > 0, scale, 1.0)
@@ -119,8 +119,8 @@ def _two_levels(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         residual = residual - q * scale
         levels.append(q)
         scales.append(scale)
-    first_residual = (u - levels[0] * scales[0]).abs().amax(-1)
-    return torch.cat(levels).to(torch.int8), torch.cat(scales), residual.abs().amax(-1), first_residual
+        residual_max.append(residual.abs().amax(-1))
+    return torch.cat(levels).to(torch.int8), torch.cat(scales), residual_max[1], residual_max[0]
 
 
 def int8_products(weight: Int8Weight, x: torch.Tensor, scale: float = 1.0,

@@ -445,7 +445,8 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     draft_total = 1.0 if q_is_logits else float(q.sum(dtype=torch.float64))
     head_max, top_log_prob = _head_max(approx), None
     lowest = min(float(log_z.min()), float(log_zc))
-    tokens = exact = None
+    tokens = torch.empty(0, dtype=torch.long, device=approx.device)  # made exact so far, and their exact logits
+    exact = torch.empty((approx.shape[0], 0), dtype=torch.float64, device=approx.device)
     for tail in GATHERED_JS_TAILS:
         cut = math.log(tail)
         # Kept: the tokens where a head's distribution, the centroid's or the draft's reaches the cut; any
@@ -453,9 +454,8 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
         # on the heads' largest logit, at the lowest ln Z (which also covers the centroid, the heads' mean), from
         # one read; where the heads' ln Z lie apart that keeps far more (p_drop 0.3: up to 26k tokens at 1e-3,
         # against at most 1k a distribution), and past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities
-        # are cut on their own. The tokens of earlier cuts stay (made exact once).
-        # one mask and one nonzero, ascending (0.51-0.55 ms, against 0.65-0.96 for two blocked picks and a
-        # unique, 262k tokens, 2-core AMX Xeon)
+        # are cut on their own. Each pick is one mask and one nonzero, ascending (0.51-0.55 ms, against 0.65-0.96
+        # for two blocked picks and a unique, 262k tokens, 2-core AMX Xeon). The tokens of earlier cuts stay.
         draft_reach = q >= (log_zq + cut if q_is_logits else tail)
         kept, head_floors = (head_max >= lowest + cut).logical_or_(draft_reach).nonzero().flatten(), lowest + cut
         if kept.numel() > min(SHARED_CUT_MAX_KEPT, _gather_limit(approx.shape[-1])):
@@ -464,14 +464,13 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
             kept = ((top_log_prob >= cut).logical_or_(centroid >= float(log_zc) + cut).logical_or_(draft_reach)
                     .nonzero().flatten())
             head_floors = log_z + cut
-        if tokens is None and kept.numel() == 0:  # every distribution flat below this cut
+        if kept.numel() == 0:  # every distribution flat below this cut
             continue
-        new = kept if tokens is None else kept[~torch.isin(kept, tokens)]
-        if new.numel() + (0 if tokens is None else tokens.numel()) > _gather_limit(approx.shape[-1]):
+        new = kept[~torch.isin(kept, tokens)]  # each token made exact once (after the first gather, unordered)
+        if tokens.numel() + new.numel() > _gather_limit(approx.shape[-1]):
             return None
-        new_exact = exact_on(new).double()  # (K, m)
-        tokens, exact = (new, new_exact) if tokens is None else (torch.cat([tokens, new]), torch.cat([exact, new_exact], -1))
-        if votes_pending:  # the heads' argmaxes, from this gather where it holds them
+        tokens, exact = torch.cat([tokens, new]), torch.cat([exact, exact_on(new).double()], -1)  # (m,), (K, m)
+        if votes_pending:  # the heads' argmaxes, from the first gather (ascending tokens) where it holds them
             votes_pending = False
             top = exact.argmax(-1)  # first maxima: tokens ascend, as over the vocabulary
             # head k's true argmax t has approx_t >= exact top - err: kept if that clears head k's threshold
