@@ -103,9 +103,9 @@ def test_the_package_default_takes_8bit_columns_unless_float32_is_asked_for(monk
 
 @needs_fbgemm
 def test_greedy_js_criteria_on_a_rows_head_take_8bit_sparse_heads():
-    """On the CPU default's rows head (large K p_drop), greedy JS criteria compute their heads as sparse heads with
-    8-bit corrections while K p_drop <= 2, and take the decisions of exact float32 rows; argmax votes and
-    sampled steps keep the rows."""
+    """On the CPU default's rows head (large K p_drop), greedy JS criteria compute the heads of positions whose rows
+    did not ride in the verification GEMM as sparse heads with 8-bit corrections while K p_drop <= 2, and take the
+    decisions of exact float32 rows; argmax votes and sampled steps keep the rows."""
     from dropmatch.heads.screened import ScreenedHead
     from dropmatch.rules import RelaxedVerification
     from dropmatch.rules.dropmatch import DropMatch
@@ -122,7 +122,8 @@ def test_greedy_js_criteria_on_a_rows_head_take_8bit_sparse_heads():
             pytest.skip("the CPU default's rows head needs oneDNN")
         rule = DropMatch(head, "js+majority")
         twin = rule.heads_for(greedy)
-        assert twin.sparse and twin.sparse_dtype == BYTE_ROWWISE and rule.heads_dtype(greedy) == BYTE_ROWWISE
+        assert twin.sparse and twin.sparse_dtype == BYTE_ROWWISE  # here no rows ride in a verification GEMM
+        assert DropMatch(head, "js+majority", screened_clean_logits=False).heads_dtype(greedy) == BYTE_ROWWISE
         assert rule.heads_for(sampled) is head and DropMatch(head, "naive").heads_for(greedy) is head
         exact = DropMatch(DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.float32),
                           "js+majority")

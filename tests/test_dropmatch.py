@@ -367,6 +367,55 @@ def test_bad_options_in_pure_classes():
         MethodConfig("medusa")
 
 
+def test_greedy_heads_of_a_rows_head_ride_in_the_screened_gemm(tiny):
+    """On the CPU default's rows head (large K p_drop), greedy steps put every position's dropout rows in the
+    screened verification GEMM (bfloat16) and decide as exact float32 rows: argmax votes and JS, certified on
+    one bound per head. Sampled steps and float32 clean logits keep the rows."""
+    from dropmatch.drafters import Draft
+    from dropmatch.engine import verify_step
+    from dropmatch.rules import RelaxedVerification
+
+    target, greedy = tiny.target, SamplingConfig()
+    weight = target.head_weight
+    with screened_heads(target), torch.inference_mode():
+        for criterion in ("naive", "js+majority"):
+            head = DropoutHead(weight, k=5, p_drop=0.3, compute_dtype=torch.bfloat16)
+            if not head.exact_rows or head.rows_dtype != torch.bfloat16:
+                pytest.skip("needs oneDNN with native bfloat16 (the rows head's certified bfloat16 rows)")
+            rule = DropMatch(head, criterion)
+            exact = DropMatch(DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.float32),
+                              criterion)
+            assert rule.fuses(greedy) and rule.heads_dtype(greedy) == torch.bfloat16 and not exact.fuses(greedy)
+            assert not rule.fuses(SamplingConfig(0.8, 1.0))
+            assert not DropMatch(head, criterion, screened_clean_logits=False).fuses(greedy)
+            combined, accepted = [], 0
+            head.combine = lambda clean, products, combine=head.combine, calls=combined: (calls.append(1)
+                                                                                       or combine(clean, products))
+            for seed in range(16):
+                g = torch.Generator().manual_seed(seed)
+                _, hidden = target.new_cache(prompt_ids=torch.randint(3, 259, (12,), generator=g))
+                hidden = hidden[-6:]
+                clean = target.head(hidden)
+                tokens = clean[:5].topk(2, -1).indices[:, 1]  # near misses, which only DropMatch accepts
+                draft = Draft(tokens, None, clean[:5] + torch.randn(5, clean.shape[-1], generator=g))
+                fused, expected = (verify_step(target, RelaxedVerification(r), hidden, draft, greedy,
+                                               torch.Generator().manual_seed(seed)) for r in (rule, exact))
+                assert (fused.n_accepted, fused.extra_accepts) == (expected.n_accepted, expected.extra_accepts)
+                accepted += fused.extra_accepts
+            assert combined and accepted > 0  # the fused products were used, and some near misses accepted
+        # the bounds the decisions rest on hold for the screened GEMM's products: the products' rounding plus the
+        # screened clean logits' error, against float64 heads
+        prefetch = rule.prefetch(hidden, greedy, torch.Generator().manual_seed(0))
+        clean, products = target.head_with_extra(hidden, prefetch.rows, exact=False)
+        heads = head.combine(clean[:5], products)  # (5, K, V)
+        masks = prefetch.state
+        bounds = (head.product_bounds(hidden[:5], masks, clean[:5], heads, fused=True, read_outputs=False)
+                  + head.screened_clean_bound_max(hidden[:5], clean[:5]))
+        exact_heads = torch.nn.functional.linear(hidden[:5].double().unsqueeze(1) * masks / 0.7, weight.double())
+        errors = (heads.double() - exact_heads).abs().amax(-1)
+        assert (errors <= bounds).all() and (errors > bounds / 100).all()
+
+
 def test_model_drafter_interface_round_trip(tiny):
     """A drafter's proposal after commit continues the accepted prefix (cache bookkeeping)."""
     drafter = ModelDrafter(tiny.draft)
@@ -396,7 +445,8 @@ def test_heads_fused_into_the_verification_gemm(tiny):
         rows = head.perturbation_inputs(hidden[:2], head.draw_masks(2, g))
         logits, products = target.head_with_extra(hidden, rows, exact=False)
         assert products.shape == (10, target.vocab_size)
-        torch.testing.assert_close(products, torch.nn.functional.linear(rows, head.weight_c).float(),
+        assert products.dtype == torch.bfloat16  # the GEMM's own output, combined per position where asked
+        torch.testing.assert_close(products.float(), torch.nn.functional.linear(rows, head.weight_c).float(),
                                    atol=2e-2, rtol=2e-2)
         assert torch.equal(logits.argmax(-1), target.head(hidden).argmax(-1))
         out = Decoder(tiny, MethodConfig("dropmatch")).generate(random_prompt(1), max_new_tokens=32)

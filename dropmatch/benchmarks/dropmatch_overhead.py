@@ -132,9 +132,12 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
 
 def head_path(criterion) -> str:
     """The head path a DropMatch criterion takes on greedy steps: "exact rows", "bfloat16 rows"
-    (certified), or sparse / dense heads in their compute dtype."""
+    (certified), sparse heads in their corrections' dtype, or dense heads in their compute dtype ("fused":
+    they ride in the verification GEMM, :meth:`~dropmatch.rules.dropmatch.DropMatch.fuses`)."""
     head, dtype = criterion.heads_for(SamplingConfig()), criterion.heads_dtype(SamplingConfig())
     name = "8-bit" if dtype == BYTE_ROWWISE else str(dtype).removeprefix("torch.")
+    if criterion.fuses(SamplingConfig()):
+        return f"dense {name} fused"
     if dtype == BYTE_ROWWISE and head.corrections_by_gemm:
         return "sparse int8 GEMM"
     if head.exact_rows:
@@ -191,7 +194,10 @@ def add_floors(table: pd.DataFrame, rules: dict) -> pd.DataFrame:
             floors.append({})
             continue
         greedy = SamplingConfig()
-        megabytes, read_ms = read_floor(criterion.heads_for(greedy), criterion.rows_dtype(greedy))
+        if criterion.fuses(greedy):  # rows in the verification GEMM: no read of their own
+            megabytes, read_ms = 0.0, 0.0
+        else:
+            megabytes, read_ms = read_floor(criterion.heads_for(greedy), criterion.rows_dtype(greedy))
         floors.append({"MB read / position": megabytes, "streaming read (ms)": read_ms,
                        "head + rule / position (ms)": (row["head + rule / step (ms)"] - base) / per_step,
                        "read floor (% of verify step)": 100 * per_step * read_ms / row["verify step (ms)"]})

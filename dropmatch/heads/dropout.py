@@ -360,9 +360,10 @@ class DropoutHead:
         return delta.reshape(-1, delta.shape[-1]).to(self.compute_dtype)
 
     def combine(self, clean_logits: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
-        """Head logits (n, K, V) from the dropout-free logits (n, V) and the products (n * K, V)."""
+        """Head logits (n, K, V) float32 from the dropout-free logits (n, V) float32 and the products (n * K, V)
+        in the GEMM's dtype (one pass: the sum promotes them)."""
         n = clean_logits.shape[0]
-        return clean_logits.unsqueeze(1) + products.float().view(n, self.k, -1)
+        return torch.add(clean_logits.float().unsqueeze(1), products.view(n, self.k, -1))
 
     # -- sparse path -----------------------------------------------------------------------------
     def sparse_logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,

@@ -77,8 +77,8 @@ class ScreenedHead:
         """Logits (n, V); with ``extra`` rows (m, d), also their plain bfloat16 products (m, V) float32,
         from the same GEMM (one pass over the weight for both): returns (logits, products)."""
         rows = hidden.to(torch.bfloat16) if extra is None else torch.cat([hidden.to(torch.bfloat16), extra.to(torch.bfloat16)])
-        product = self.kernel(rows).float()
-        approx, extra_products = product[: hidden.shape[0]], product[hidden.shape[0] :]
+        product = self.kernel(rows)
+        approx, extra_products = product[: hidden.shape[0]].float(), product[hidden.shape[0] :]
         top = approx.amax(-1, keepdim=True)
         # Any token below max - 2 * bound cannot be the exact maximum.
         threshold = top - 2 * self.error_bound(approx, hidden, top) - self.refine_margin

@@ -604,8 +604,11 @@ class DropMatch:
         return self.head.sparse_dtype if sampling.greedy else self.head.compute_dtype
 
     def heads_dtype(self, sampling: SamplingConfig) -> torch.dtype:
-        """The dtype of the GEMM that gives the K heads under ``sampling``: :meth:`rows_dtype` on the rows
-        path, :meth:`corrections_dtype` on the sparse path, else the head's compute dtype."""
+        """The dtype of the GEMM that gives the K heads under ``sampling``: the head's compute dtype where they
+        ride in the verification GEMM (:meth:`fuses`), :meth:`rows_dtype` on the rows path,
+        :meth:`corrections_dtype` on the sparse path, else the head's compute dtype."""
+        if self.fuses(sampling):
+            return self.head.compute_dtype
         if self._takes_sparse_twin(sampling) or self.head.sparse:
             return self.corrections_dtype(sampling)
         return self.rows_dtype(sampling) if self.head.exact_rows else self.head.compute_dtype
@@ -641,10 +644,23 @@ class DropMatch:
         positions' perturbation rows to ride in the verification GEMM (``hidden``: the L + 1 positions)."""
         masks = self.head.draw_masks(hidden.shape[0] - 1, generator, consume=sampling.greedy)
         n = min(self.prefetch_positions, masks.shape[0])
-        fusable = (n and not self.head.sparse and not self.head.exact_rows and not self.head.softcap
-                   and self.head.compute_dtype == torch.bfloat16)  # the screened GEMM's dtype
-        rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if fusable else None
+        rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if n and self.fuses(sampling) else None
         return Prefetch(rows, masks)
+
+    def fuses(self, sampling: SamplingConfig) -> bool:
+        """Whether the step's heads ride in the verification GEMM as dense bfloat16 perturbation rows (the
+        screened head's dtype; :meth:`prefetch`): on the dense path always, on a rows head
+        (:attr:`DropoutHead.exact_rows`) under greedy decoding where its rows are bfloat16 and the clean logits
+        screened, for every criterion. There the K rows of all L positions cost one GEMM's few extra rows
+        (embedded pair, p_drop 0.3, 2-core AMX Xeon: 6 + 25 rows take ~3-4.5 ms more than 6, where a position's
+        heads took ~7.4 ms as one int8 GEMM or ~14 ms as bfloat16 rows), and the decisions are certified on one
+        bound per head."""
+        head = self.head
+        if head.softcap or head.sparse or head.compute_dtype != torch.bfloat16:
+            return False
+        if not head.exact_rows:
+            return True
+        return sampling.greedy and head.rows_dtype == torch.bfloat16 and self.screened_logits_ok
 
     def _clean_bounds(self, inp: VerifyInput, rows: slice) -> torch.Tensor | None:
         """Bounds on the error of the clean logits at ``rows`` when they are screened
@@ -674,9 +690,11 @@ class DropMatch:
         thresholds = self._vote_thresholds(inp)
         heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         fused = inp.prefetch.products if inp.prefetch is not None else None
-        head = self.heads_for(inp.sampling)
+        n_fused = 0 if fused is None else fused.shape[0] // self.head.k
+        unfused_head = self.heads_for(inp.sampling)  # the positions whose rows did not ride in the GEMM
 
         def compute(rows: slice, products: torch.Tensor | None) -> None:
+            head = self.head if products is not None else unfused_head
             if products is None and head.exact_rows:  # the heads directly: exact, or bounded per head
                 logits, bounds = head.row_logits(inp.hidden[rows], masks[rows], self.rows_dtype(inp.sampling))
                 heads.update({rows.start + i: (logits[i], bounds[i].unsqueeze(-1)) for i in range(logits.shape[0])})
@@ -692,14 +710,13 @@ class DropMatch:
                 eps = prod[i].unsqueeze(-1) + (0.0 if clean is None else clean[i])
                 heads[rows.start + i] = (logits[i], scale * eps)
 
-        if fused is not None:
-            compute(slice(0, fused.shape[0] // self.head.k), fused)
-
         def test(j: int) -> bool:
+            if j not in heads and j < n_fused:  # its products came with the clean logits; combined where asked
+                compute(slice(j, j + 1), fused[j * self.head.k : (j + 1) * self.head.k])
             if j not in heads:
                 # Dense: the GEMM reads the whole head weight; a few more rows cost almost nothing, so
                 # the next ``prefetch - 1`` positions come with this one. Sparse: one position.
-                span = 1 if (head.sparse or head.exact_rows) else self.prefetch_positions
+                span = 1 if (unfused_head.sparse or unfused_head.exact_rows) else self.prefetch_positions
                 compute(slice(j, min(j + span, inp.n_draft)), None)
             self.counters.evaluations += 1
             logits, eps = heads[j]
