@@ -319,9 +319,10 @@ def test_cpu_argmax_is_torch_argmax_with_ties_infinities_and_nans():
 
 @pytest.mark.parametrize("length", [64 * 64 * 4, 64 * 64 * 4 + 3, 100])  # two levels; not whole blocks; short
 def test_indices_at_least_equal_nonzero_of_the_comparison(length):
-    """The two-level index pick returns the ascending indices ``nonzero`` gives, wherever the entries that
-    reach the threshold lie: none, one, clustered, spread, all; NaN entries and infinities."""
-    from dropmatch.sampling import indices_at_least
+    """The index pick (and the pick of a mask's set entries) returns the ascending indices ``nonzero`` gives,
+    wherever the entries that reach the threshold lie: none, one, clustered, spread, all; NaN entries and
+    infinities."""
+    from dropmatch.sampling import indices_at_least, true_indices
     g = torch.Generator().manual_seed(3)
     values = torch.randn(length, generator=g)
     values[:length // 8] += 4.0  # a cluster of high entries in the low indices
@@ -331,21 +332,23 @@ def test_indices_at_least_equal_nonzero_of_the_comparison(length):
     for threshold in (math.inf, 1e39, 10.0, 4.0, 2.5, 0.0, -1e39, -math.inf):  # +-1e39: beyond float32's range
         expected = (values >= threshold).nonzero().flatten()
         assert torch.equal(indices_at_least(values, threshold), expected), threshold
+        assert torch.equal(true_indices(values >= threshold), expected), threshold
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["numpy", "blocked"])
 @pytest.mark.parametrize("length", [64 * 64 * 4, 64 * 64 * 4 + 3, 100])
-def test_rows_at_least_equal_nonzero_of_the_rowwise_comparison(length):
+def test_rows_at_least_equal_nonzero_of_the_rowwise_comparison(length, dtype):
     """Every row against its own threshold, in one call: the (row, column) pairs ``nonzero`` gives, in
     row-major order, for rows where no entry, some entries or every entry reaches it, with NaN entries,
-    infinities and a NaN threshold."""
+    infinities and a NaN threshold; by NumPy (float32) and by the blocked search (bfloat16, which NumPy lacks)."""
     from dropmatch.sampling import rows_at_least
     g = torch.Generator().manual_seed(4)
-    values = torch.randn(5, length, generator=g)
+    values = torch.randn(5, length, generator=g).to(dtype)
     values[1, : length // 8] += 4.0
     values[2, length // 2] = math.nan
     values[3, length - 1] = math.inf
     values[4, length // 3] = -math.inf
-    thresholds = torch.tensor([math.inf, 2.5, 0.0, -math.inf, math.nan])
+    thresholds = torch.tensor([math.inf, 2.5, 0.0, -math.inf, math.nan]).to(dtype)
     rows, cols = rows_at_least(values, thresholds)
     want_rows, want_cols = (values >= thresholds[:, None]).nonzero(as_tuple=True)
     assert torch.equal(rows, want_rows) and torch.equal(cols, want_cols)

@@ -29,11 +29,11 @@ those computed from exact float32 head logits.
 
 * Greedy decoding (:func:`tail_certified_decide`, one bound per head): votes are the heads' exact
   argmaxes among the tokens within twice the bound of each head's computed top. The JS test makes its
-  kept tokens exact (the likely tokens of the heads, the centroid and the draft, first at 1e-3, then 1e-4,
+  kept tokens exact (the likely tokens of the heads, the centroid and the draft, first at 3e-4, then 3e-5,
   ...: a few hundred to a few thousand of 262k on the embedded pair); what stays uncertain is each
   normalizer, over a tail of small mass known within e^{+-bound}, and a normalizer's error moves the JS of
   close distributions little (:func:`_shift_sensitivity`). On the embedded pair it decides every position of
-  35 recorded steps (js+majority, 8-bit corrections, p_drop 0.032 and 0.3).
+  35 recorded steps (js+majority; 8-bit corrections at p_drop 0.032, fused bfloat16 heads at 0.3).
 * Sampling (:func:`certified_decide`, per-token bounds): the tokens near each head's top are made exact,
   then head argmaxes, per-head acceptance probabilities and the JS comparison are bounded over the whole
   vocabulary (how far JS can move: :func:`js_error_bound`).
@@ -50,7 +50,7 @@ import torch
 from ..errors import ConfigError
 from ..heads.byte_columns import BYTE_ROWWISE
 from ..heads.dropout import DropoutHead
-from ..sampling import SamplingConfig, argmax, indices_at_least, sample_with_uniform
+from ..sampling import SamplingConfig, argmax, indices_at_least, sample_with_uniform, true_indices
 from .base import PositionTest, Prefetch, VerifyInput
 from .divergence import js_bounds, js_divergence
 
@@ -108,12 +108,13 @@ def _votes_decide(criterion: str, votes: torch.Tensor, tokens: torch.Tensor | No
 JS_TAILS = (1e-5, 1e-7)  # probabilities below which a token (in every head, the centroid and the draft) is
 # left out, tried in turn: on the embedded pair ~1-7k tokens stay at 1e-5 and the bounds decide ~95 % of
 # the tests; the smaller cut decides most of the rest, where the full test costs ~3x the bounded ones
-GATHERED_JS_TAILS = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7)  # the same for :func:`tail_certified_decide`, whose kept tokens
-# cost a gather of their rows of W (each token once over the cuts): the embedded pair keeps ~0.6k tokens at 1e-4
-# against ~2.7k at 1e-5 (p_drop 0.032), and at p_drop 0.3, where the heads spread, 1e-3 decides most tests on
-# far fewer tokens than 1e-4 did, and 1e-6 most of those 1e-5 leaves (35 recorded steps, js+majority, the
-# decisions alone, 2-core AMX Xeon: 5.2 ms a decision with 0 of 33 undecided, against 7.7 ms with 3 undecided
-# from (1e-4, 1e-5, 1e-7), each recomputed on float32 rows at ~30 ms; p_drop 0.032: 3.1-3.2 against 3.0 ms)
+GATHERED_JS_TAILS = (3e-4, 3e-5, 3e-6, 3e-7, 1e-7)  # the same for :func:`tail_certified_decide`, whose kept
+# tokens cost a gather of their rows of W (each token once over the cuts): the embedded pair keeps ~0.6k tokens at
+# 1e-4 against ~2.7k at 1e-5 (p_drop 0.032), and at p_drop 0.3, where the heads spread, a first cut near 1e-3 decides
+# most tests on far fewer tokens than 1e-4 did. Measured on 35 recorded steps (js+majority, the decisions alone,
+# warm, 2-core AMX Xeon; p_drop 0.032 on 8-bit sparse heads, 0.3 on fused bfloat16 heads), ms a decision:
+# 2.45-2.53 and 3.37-3.46 against 2.52-2.55 and 3.91 from (1e-3, 1e-4, ..., 1e-7), none undecided (stop 43's
+# (1e-4, 1e-5, 1e-7) left 3 of 33 undecided at p_drop 0.3, each recomputed on float32 rows at ~30 ms)
 SHARED_CUT_MAX_KEPT = 8192  # kept tokens above which :func:`tail_certified_decide` cuts each head on its own
 JS_MAX_KEPT = 1 / 8  # share of the vocabulary above which the JS test runs on the whole vocabulary
 
@@ -445,28 +446,29 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     draft_total = 1.0 if q_is_logits else float(q.sum(dtype=torch.float64))
     head_max, top_log_prob = _head_max(approx), None
     lowest = min(float(log_z.min()), float(log_zc))
+    # Kept at a cut: the tokens where a head's distribution, the centroid's or the draft's reaches it; any superset
+    # gives valid bounds, and a larger one tighter bounds at the cost of its gather. One threshold on the heads'
+    # largest logit, at the lowest ln Z (which also covers the centroid, the heads' mean); the draft's
+    # log-probabilities ride in the same array, shifted by that ln Z, so each cut is one comparison and one pick
+    # (ascending). Where the heads' ln Z lie apart that keeps far more (p_drop 0.3: up to 26k tokens at 1e-3,
+    # against at most 1k a distribution), and past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities are
+    # cut on their own. The tokens of earlier cuts stay.
+    draft_shifted = (q + (lowest - log_zq)) if q_is_logits else q.log().add_(lowest)
+    reach = torch.maximum(head_max, draft_shifted)
     tokens = torch.empty(0, dtype=torch.long, device=approx.device)  # made exact so far, and their exact logits
     exact = torch.empty((approx.shape[0], 0), dtype=torch.float64, device=approx.device)
     for tail in GATHERED_JS_TAILS:
         cut = math.log(tail)
-        # Kept: the tokens where a head's distribution, the centroid's or the draft's reaches the cut; any
-        # superset gives valid bounds, and a larger one tighter bounds at the cost of its gather. One threshold
-        # on the heads' largest logit, at the lowest ln Z (which also covers the centroid, the heads' mean), from
-        # one read; where the heads' ln Z lie apart that keeps far more (p_drop 0.3: up to 26k tokens at 1e-3,
-        # against at most 1k a distribution), and past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities
-        # are cut on their own. Each pick is one mask and one nonzero, ascending (0.51-0.55 ms, against 0.65-0.96
-        # for two blocked picks and a unique, 262k tokens, 2-core AMX Xeon). The tokens of earlier cuts stay.
-        draft_reach = q >= (log_zq + cut if q_is_logits else tail)
-        kept, head_floors = (head_max >= lowest + cut).logical_or_(draft_reach).nonzero().flatten(), lowest + cut
+        kept, head_floors = indices_at_least(reach, lowest + cut), lowest + cut
         if kept.numel() > min(SHARED_CUT_MAX_KEPT, _gather_limit(approx.shape[-1])):
             if top_log_prob is None:
                 top_log_prob = torch.sub(approx, log_z.to(approx.dtype).unsqueeze(-1)).amax(0)
-            kept = ((top_log_prob >= cut).logical_or_(centroid >= float(log_zc) + cut).logical_or_(draft_reach)
-                    .nonzero().flatten())
+            kept = true_indices((top_log_prob >= cut).logical_or_(centroid >= float(log_zc) + cut)
+                                .logical_or_(draft_shifted >= lowest + cut))
             head_floors = log_z + cut
         if kept.numel() == 0:  # every distribution flat below this cut
             continue
-        new = kept[~torch.isin(kept, tokens)]  # each token made exact once (after the first gather, unordered)
+        new = kept[~torch.isin(kept, tokens)] if tokens.numel() else kept  # each token made exact once
         if tokens.numel() + new.numel() > _gather_limit(approx.shape[-1]):
             return None
         tokens, exact = torch.cat([tokens, new]), torch.cat([exact, exact_on(new).double()], -1)  # (m,), (K, m)
