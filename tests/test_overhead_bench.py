@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from dropmatch.benchmarks.dropmatch_overhead import measure_overhead, read_floor
+from dropmatch.benchmarks.dropmatch_overhead import add_floors, measure_overhead, read_floor
 from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
 from dropmatch.heads.dropout import DropoutHead
 from dropmatch.heads.int8_gemm import int8_gemm_supported
@@ -45,6 +45,26 @@ def test_int8_gemm_floor_is_one_int8_read_of_the_weight():
 def test_dense_heads_have_no_read_of_their_own():
     head = DropoutHead(torch.randn(512, 64), k=5, p_drop=0.3, sparse=False, exact_rows=False)
     assert read_floor(head) == (0.0, 0.0)
+
+
+def test_fused_heads_are_named_and_charged_no_read():
+    """A rows head's greedy heads ride in the verification GEMM: the table names them so and charges them no read
+    of their own (their cost is in the measured time); with float32 clean logits they are the rows they were."""
+    from dropmatch.benchmarks.dropmatch_overhead import head_path
+    from dropmatch.rules import RelaxedVerification
+    from dropmatch.rules.dropmatch import DropMatch
+
+    head = DropoutHead(torch.randn(512, 64), k=5, p_drop=0.3, compute_dtype=torch.bfloat16)
+    if not (head.exact_rows and head.rows_dtype == torch.bfloat16):
+        pytest.skip("needs oneDNN with native bfloat16")
+    fused, rows = DropMatch(head, "naive"), DropMatch(head, "naive", screened_clean_logits=False)
+    assert head_path(fused) == "dense bfloat16 fused" and head_path(rows) == "bfloat16 rows"
+    table = pd.DataFrame([{"head + rule / step (ms)": 10.0, "positions with heads / step": 0.0, "verify step (ms)": 50.0},
+                          {"head + rule / step (ms)": 12.0, "positions with heads / step": 0.8, "verify step (ms)": 50.0},
+                          {"head + rule / step (ms)": 20.0, "positions with heads / step": 0.8, "verify step (ms)": 50.0}])
+    floors = add_floors(table, {"standard": None, "fused": RelaxedVerification(fused), "rows": RelaxedVerification(rows)})
+    assert floors["MB read / position"].tolist()[1:] == [0.0, 512 * 64 * 2 / 1e6]
+    assert floors["head + rule / position (ms)"].tolist()[1:] == [2.5, 12.5]
 
 
 def test_overhead_table_charges_floors_to_dropmatch_rows_only():

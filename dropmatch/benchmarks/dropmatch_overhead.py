@@ -10,12 +10,13 @@
 2. The recorded steps are replayed through the head and each rule (interleaved, repeated, identical
    inputs): standard verification and DropMatch (naive, js+majority; K = 5) at p_drop = 0.032 (the
    equal-noise value of a 640-wide model) and 0.3, masks drawn inside the timed step, exact decisions.
-   The head path is DropoutHead's choice (``DropMatch.heads_for``), named after the requested head dtype in
-   each row: "exact rows" (float32 through oneDNN, where it runs: the dtype does not apply), "bfloat16 rows"
-   (the same pass in bfloat16 for argmax votes on CPUs with native bfloat16, certified), else sparse
-   dropped-column heads ("sparse 8-bit" on x86: at small p_drop, and for greedy JS criteria up to K p_drop = 2)
-   or dense heads fused into the verification GEMM, both with certified decisions (the exact fallbacks per
-   step are shown). Head overhead = extra head + rule time per step,
+   The head path is DropoutHead's and DropMatch's choice (``DropMatch.fuses``, ``DropMatch.heads_for``), named
+   after the requested head dtype in each row: "dense bfloat16 fused" (every position's perturbation rows in the
+   screened verification GEMM: greedy steps at large K p_drop), "exact rows" (float32 through oneDNN, where it
+   runs: the dtype does not apply), "bfloat16 rows" (the same pass in bfloat16 for argmax votes on CPUs with
+   native bfloat16, certified), else sparse dropped-column heads ("sparse 8-bit" on x86 at small p_drop, "sparse
+   int8 GEMM" past K p_drop 0.5), all inexact ones with certified decisions (the exact fallbacks per step are
+   shown). Head overhead = extra head + rule time per step,
    as a percentage of the standard verify step. The standard step's head is screened (bfloat16 with an
    exact argmax, where the CPU has native bfloat16), and so is DropMatch's; the row "standard (float32
    head)" shows what a rule that needs the float32 head pays (DropMatch's JS rules did, on float32
@@ -23,7 +24,8 @@
    most 5 % at p = 0.032 and 15 % at p = 0.3.
 3. The floor of each head path on this machine: the bytes a position's K heads must read (rows: the
    whole weight in the rows' dtype; sparse heads: the K p_drop d dropped rows of W^T in the greedy corrections'
-   dtype, 8-bit by default on x86, in expectation), the time of
+   dtype, 8-bit by default on x86, in expectation; fused rows: none of their own, so their cost shows in the
+   measured time only), the time of
    one streaming read of that many bytes (``torch.sum``, measured here), and the overhead that read alone
    would cost at the measured positions with heads per step. A goal below that floor is out of reach
    of any kernel for that path on this machine.

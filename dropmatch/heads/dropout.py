@@ -27,8 +27,11 @@ that computes them directly:
     for: half the bytes (13.4 against 25.5 ms on a 2-core AMX Xeon), with each head's rounding bounded
     as the screened head's (:func:`~dropmatch.heads.screened.rounding_bound`), so the decisions are
     certified, or recomputed on float32 rows. ``DropMatch.rows_dtype`` takes them for greedy argmax
-    votes only: at p_drop = 0.3 the heads spread over so many tokens that certifying a JS value costs
-    more than the pass saves.
+    votes only.
+
+  Under greedy decoding with screened clean logits DropMatch takes neither pass on a rows head: the
+  dense perturbation rows of every position ride in the screened verification GEMM (``DropMatch.fuses``),
+  a few more rows of the one bfloat16 pass over the weight.
 
 **Default on a CPU with oneDNN and a float32 weight:** the sparse path while one position's K heads drop
 few columns in expectation (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`), else rows. The sparse
@@ -37,8 +40,8 @@ default), they read W's columns in 8 bits (:attr:`DropoutHead.sparse_dtype`, fbg
 :mod:`~dropmatch.heads.byte_columns`) on x86, or, where many columns drop (K p_drop >=
 :data:`INT8_GEMM_MIN_DROPPED`), all of W in int8 through oneDNN's int8 GEMM (:mod:`~dropmatch.heads.int8_gemm`,
 AMX / AVX512-VNNI), else bfloat16 where the CPU has native bfloat16; their decisions are certified on one
-bound per head (see ``DropMatch.corrections_dtype``). Rows never read the clean logits; the sparse heads take
-the verify step's screened clean logits and certify their decisions.
+bound per head (see ``DropMatch.corrections_dtype``). Rows never read the clean logits; the sparse heads and
+the fused dense rows take the verify step's screened clean logits and certify their decisions.
 
 Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
 dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d

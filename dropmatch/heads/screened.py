@@ -74,8 +74,8 @@ class ScreenedHead:
         return rounding_bound(torch.bfloat16, self.weight.shape[1], self.max_row_norm, x_norm, magnitude)
 
     def __call__(self, hidden: torch.Tensor, extra: torch.Tensor | None = None):
-        """Logits (n, V); with ``extra`` rows (m, d), also their plain bfloat16 products (m, V) float32,
-        from the same GEMM (one pass over the weight for both): returns (logits, products)."""
+        """Logits (n, V); with ``extra`` rows (m, d), also their plain products (m, V) as the GEMM gives them
+        (bfloat16), from the same GEMM (one pass over the weight for both): returns (logits, products)."""
         rows = hidden.to(torch.bfloat16) if extra is None else torch.cat([hidden.to(torch.bfloat16), extra.to(torch.bfloat16)])
         product = self.kernel(rows)
         approx, extra_products = product[: hidden.shape[0]].float(), product[hidden.shape[0] :]

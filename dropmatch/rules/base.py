@@ -33,7 +33,7 @@ class Prefetch:
     """Extra LM-head rows a rule wants computed in the verification GEMM, and its state for the step.
 
     The engine asks ``rule.prefetch(hidden, sampling, generator)`` before running the head, fills
-    ``products`` (``W @ rows.T``, (m, V) float32) when it can fuse them, and hands the object back in
+    ``products`` (``W @ rows.T``, (m, V) in the GEMM's dtype) when it can fuse them, and hands the object back in
     :attr:`VerifyInput.prefetch`. Rules must not depend on ``products`` being filled.
     """
 

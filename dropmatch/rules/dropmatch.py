@@ -516,6 +516,8 @@ EIGHT_BIT_MAX_DROPPED = 2.0
 # votes keep the bfloat16 rows, which read less than the bags and certify at a glance. Where oneDNN's int8
 # GEMM runs, the corrections past K p_drop 0.5 are one int8 pass over W instead (168 MB, ~8.5 ms a position
 # on the embedded pair; see ``dropout.INT8_GEMM_MIN_DROPPED``), and the limit is kept where bags measured it.
+# Both serve the positions whose rows did not ride in the verification GEMM (:meth:`DropMatch.fuses`: by default
+# every position of a greedy step whose clean logits are screened).
 
 
 @dataclass
@@ -542,17 +544,20 @@ class DropMatch:
     rows of the first ``prefetch`` positions (default: all L) ride in the verification GEMM itself
     (:meth:`prefetch`). On the sparse path (small p_drop, see :class:`~dropmatch.heads.dropout.DropoutHead`)
     nothing is prefetched: a position's K heads cost the gathered dropped columns only, computed one
-    position at a time where they are needed. On the rows path (CPUs with oneDNN) nothing is
-    prefetched either: a position's K heads are one K-row pass, computed where needed: exact float32,
-    whose decisions need no certification, or bfloat16 for greedy argmax votes on CPUs with native
-    bfloat16 (:meth:`rows_dtype`), certified or recomputed in float32; greedy JS criteria take sparse heads
-    with 8-bit corrections there instead (:meth:`heads_for`). The criteria (argmaxes, JS) run only where the
-    standard rule rejects, until DropMatch rejects.
+    position at a time where they are needed. On the rows path (CPUs with oneDNN, large K p_drop) greedy
+    steps with screened clean logits prefetch as the dense path does, in bfloat16 (:meth:`fuses`); elsewhere
+    a position's K heads are one K-row pass, computed where needed: exact float32, whose decisions need no
+    certification, or bfloat16 for greedy argmax votes on CPUs with native bfloat16 (:meth:`rows_dtype`),
+    certified or recomputed in float32; greedy JS criteria take sparse heads with 8-bit corrections there
+    instead (:meth:`heads_for`). Prefetched products are combined with the clean logits one position at a
+    time, where a criterion asks. The criteria (argmaxes, JS) run only where the standard rule rejects,
+    until DropMatch rejects.
 
     Args:
         head: the K dropout heads.
         criterion, majority: see the module docstring.
-        prefetch: dense path: positions whose rows ride in the verification GEMM / are computed together.
+        prefetch: positions whose rows ride in the verification GEMM (:meth:`fuses`) / are computed together
+            on the dense path.
         refine_margin: under sampling, nats beyond twice the error bound within which tokens are made
             exact for JS.
         escalation: under sampling, extra margins (nats) tried in turn when a decision is not certified; each makes more
@@ -622,7 +627,8 @@ class DropMatch:
                 and head.sparse_dtype == BYTE_ROWWISE and head.k * head.p_drop <= EIGHT_BIT_MAX_DROPPED)
 
     def heads_for(self, sampling: SamplingConfig) -> DropoutHead:
-        """The dropout heads that compute a step's K heads under ``sampling``: :attr:`head`, except that on a
+        """The dropout heads that compute the K heads of a position whose rows did not ride in the verification
+        GEMM (:meth:`fuses`) under ``sampling``: :attr:`head`, except that on a
         rows head (:attr:`DropoutHead.exact_rows`) greedy JS criteria take a sparse twin on the same weight with
         8-bit corrections (its :attr:`~DropoutHead.sparse_dtype`) while K p_drop <= :data:`EIGHT_BIT_MAX_DROPPED`;
         its decisions are certified as any sparse head's, and recomputed on the rows head's exact rows where not."""
@@ -642,8 +648,8 @@ class DropMatch:
         return self.head.draw_masks(inp.n_draft, inp.generator, consume=inp.sampling.greedy)
 
     def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch:
-        """Draw the step's masks now and, on the dense bfloat16 path, ask for the first ``prefetch``
-        positions' perturbation rows to ride in the verification GEMM (``hidden``: the L + 1 positions)."""
+        """Draw the step's masks now and, where the heads ride in the verification GEMM (:meth:`fuses`), ask
+        for the first ``prefetch`` positions' perturbation rows (``hidden``: the L + 1 positions)."""
         masks = self.head.draw_masks(hidden.shape[0] - 1, generator, consume=sampling.greedy)
         n = min(self.prefetch_positions, masks.shape[0])
         rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if n and self.fuses(sampling) else None
