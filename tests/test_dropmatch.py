@@ -388,9 +388,10 @@ def test_greedy_heads_of_a_rows_head_ride_in_the_screened_gemm(tiny):
             assert rule.fuses(greedy) and rule.heads_dtype(greedy) == torch.bfloat16 and not exact.fuses(greedy)
             assert not rule.fuses(SamplingConfig(0.8, 1.0))
             assert not DropMatch(head, criterion, screened_clean_logits=False).fuses(greedy)
-            combined, accepted = [], 0
-            head.combine = lambda clean, products, combine=head.combine, calls=combined: (calls.append(1)
-                                                                                       or combine(clean, products))
+            fused_calls, accepted = [], 0
+            row_logits = head.row_logits
+            head.row_logits = lambda *args, products=None, calls=fused_calls, row_logits=row_logits: (
+                calls.append(products is not None) or row_logits(*args, products=products))
             for seed in range(16):
                 g = torch.Generator().manual_seed(seed)
                 _, hidden = target.new_cache(prompt_ids=torch.randint(3, 259, (12,), generator=g))
@@ -402,15 +403,12 @@ def test_greedy_heads_of_a_rows_head_ride_in_the_screened_gemm(tiny):
                                                torch.Generator().manual_seed(seed)) for r in (rule, exact))
                 assert (fused.n_accepted, fused.extra_accepts) == (expected.n_accepted, expected.extra_accepts)
                 accepted += fused.extra_accepts
-            assert combined and accepted > 0  # the fused products were used, and some near misses accepted
-        # the bounds the decisions rest on hold for the screened GEMM's products: the products' rounding plus the
-        # screened clean logits' error, against float64 heads
+            assert fused_calls and all(fused_calls) and accepted > 0  # only fused rows; some near misses accepted
+        # the bounds the decisions rest on hold for the screened GEMM's products, against float64 heads
         prefetch = rule.prefetch(hidden, greedy, torch.Generator().manual_seed(0))
-        clean, products = target.head_with_extra(hidden, prefetch.rows, exact=False)
-        heads = head.combine(clean[:5], products)  # (5, K, V)
+        _, products = target.head_with_extra(hidden, prefetch.rows, exact=False)
         masks = prefetch.state
-        bounds = (head.product_bounds(hidden[:5], masks, clean[:5], heads, fused=True, read_outputs=False)
-                  + head.screened_clean_bound_max(hidden[:5], clean[:5]))
+        heads, bounds = head.row_logits(hidden[:5], masks, torch.bfloat16, products=products)  # (5, K, V), (5, K)
         exact_heads = torch.nn.functional.linear(hidden[:5].double().unsqueeze(1) * masks / 0.7, weight.double())
         errors = (heads.double() - exact_heads).abs().amax(-1)
         assert (errors <= bounds).all() and (errors > bounds / 100).all()

@@ -58,7 +58,7 @@ def test_fused_heads_are_named_and_charged_no_read():
     if not (head.exact_rows and head.rows_dtype == torch.bfloat16):
         pytest.skip("needs oneDNN with native bfloat16")
     fused, rows = DropMatch(head, "naive"), DropMatch(head, "naive", screened_clean_logits=False)
-    assert head_path(fused) == "dense bfloat16 fused" and head_path(rows) == "bfloat16 rows"
+    assert head_path(fused) == "bfloat16 rows fused" and head_path(rows) == "bfloat16 rows"
     table = pd.DataFrame([{"head + rule / step (ms)": 10.0, "positions with heads / step": 0.0, "verify step (ms)": 50.0},
                           {"head + rule / step (ms)": 12.0, "positions with heads / step": 0.8, "verify step (ms)": 50.0},
                           {"head + rule / step (ms)": 20.0, "positions with heads / step": 0.8, "verify step (ms)": 50.0}])

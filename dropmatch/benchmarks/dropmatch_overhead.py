@@ -11,8 +11,8 @@
    inputs): standard verification and DropMatch (naive, js+majority; K = 5) at p_drop = 0.032 (the
    equal-noise value of a 640-wide model) and 0.3, masks drawn inside the timed step, exact decisions.
    The head path is DropoutHead's and DropMatch's choice (``DropMatch.fuses``, ``DropMatch.heads_for``), named
-   after the requested head dtype in each row: "dense bfloat16 fused" (every position's perturbation rows in the
-   screened verification GEMM: greedy steps at large K p_drop), "exact rows" (float32 through oneDNN, where it
+   after the requested head dtype in each row: "bfloat16 rows fused" (every position's rows in the screened
+   verification GEMM: greedy steps at large K p_drop), "exact rows" (float32 through oneDNN, where it
    runs: the dtype does not apply), "bfloat16 rows" (the same pass in bfloat16 for argmax votes on CPUs with
    native bfloat16, certified), else sparse dropped-column heads ("sparse 8-bit" on x86 at small p_drop, "sparse
    int8 GEMM" past K p_drop 0.5), all inexact ones with certified decisions (the exact fallbacks per step are
@@ -134,12 +134,12 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
 
 def head_path(criterion) -> str:
     """The head path a DropMatch criterion takes on greedy steps: "exact rows", "bfloat16 rows"
-    (certified), sparse heads in their corrections' dtype, or dense heads in their compute dtype ("fused":
-    they ride in the verification GEMM, :meth:`~dropmatch.rules.dropmatch.DropMatch.fuses`)."""
+    (certified), sparse heads in their corrections' dtype, or dense heads in their compute dtype; "fused": the
+    rows ride in the verification GEMM (:meth:`~dropmatch.rules.dropmatch.DropMatch.fuses`)."""
     head, dtype = criterion.heads_for(SamplingConfig()), criterion.heads_dtype(SamplingConfig())
     name = "8-bit" if dtype == BYTE_ROWWISE else str(dtype).removeprefix("torch.")
     if criterion.fuses(SamplingConfig()):
-        return f"dense {name} fused"
+        return f"{name} rows fused" if criterion.head.exact_rows else f"dense {name} fused"
     if dtype == BYTE_ROWWISE and head.corrections_by_gemm:
         return "sparse int8 GEMM"
     if head.exact_rows:

@@ -29,9 +29,9 @@ that computes them directly:
     certified, or recomputed on float32 rows. ``DropMatch.rows_dtype`` takes them for greedy argmax
     votes only.
 
-  Under greedy decoding with screened clean logits DropMatch takes neither pass on a rows head: the
-  dense perturbation rows of every position ride in the screened verification GEMM (``DropMatch.fuses``),
-  a few more rows of the one bfloat16 pass over the weight.
+  Under greedy decoding with screened clean logits DropMatch takes no pass of its own on a rows head: the
+  bfloat16 rows of every position ride in the screened verification GEMM (``DropMatch.fuses``), a few more
+  rows of the one bfloat16 pass over the weight, bounded as above (``row_logits`` with ``products``).
 
 **Default on a CPU with oneDNN and a float32 weight:** the sparse path while one position's K heads drop
 few columns in expectation (K p_drop <= :data:`SPARSE_FLOAT32_MAX_DROPPED`), else rows. The sparse
@@ -40,8 +40,8 @@ default), they read W's columns in 8 bits (:attr:`DropoutHead.sparse_dtype`, fbg
 :mod:`~dropmatch.heads.byte_columns`) on x86, or, where many columns drop (K p_drop >=
 :data:`INT8_GEMM_MIN_DROPPED`), all of W in int8 through oneDNN's int8 GEMM (:mod:`~dropmatch.heads.int8_gemm`,
 AMX / AVX512-VNNI), else bfloat16 where the CPU has native bfloat16; their decisions are certified on one
-bound per head (see ``DropMatch.corrections_dtype``). Rows never read the clean logits; the sparse heads and
-the fused dense rows take the verify step's screened clean logits and certify their decisions.
+bound per head (see ``DropMatch.corrections_dtype``). Rows never read the clean logits (fused or not); the
+sparse heads take the verify step's screened clean logits and certify their decisions.
 
 Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
 dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d
@@ -454,21 +454,28 @@ class DropoutHead:
         raw = self._exact_linear(rows.reshape(-1, rows.shape[-1])).float().view(*rows.shape[:-1], -1)
         return torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw
 
-    def row_logits(self, hidden: torch.Tensor, masks: torch.Tensor,
-                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def row_inputs(self, hidden: torch.Tensor, masks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows path's GEMM rows (n * K, d) in ``dtype``: each head's input h * m / (1 - p)."""
+        rows = dropout_inputs(hidden, masks, self.p_drop)
+        return rows.reshape(-1, rows.shape[-1]).to(dtype)
+
+    def row_logits(self, hidden: torch.Tensor, masks: torch.Tensor, dtype: torch.dtype | None = None,
+                   products: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows path: head logits (n, K, V) float32 from a K-row GEMM in ``dtype`` (default
         :attr:`rows_dtype`), and bounds (n, K) in nats on each head's error against :meth:`exact_logits`:
         zero in the weight's precision; in bfloat16 the screened head's rounding bound (inputs rounded to
-        bfloat16, float32 accumulation, output rounded)."""
+        bfloat16, float32 accumulation, output rounded). ``products``: that GEMM's output (n * K, V) for
+        :meth:`row_inputs` already at hand (e.g. from the verification GEMM, bfloat16 with the same rounding)."""
         dtype = dtype or self.rows_dtype
-        if dtype == self.weight.dtype or self.softcap:  # capped: exact (no bound through tanh)
+        if (dtype == self.weight.dtype or self.softcap) and products is None:  # capped: exact (no bound through tanh)
             logits = self.exact_logits(hidden, masks)
             return logits, torch.zeros(logits.shape[:2], device=logits.device)
-        if self._rows_kernel is None or self._rows_kernel.weight.dtype != dtype:
-            self._rows_kernel = shared_few_row_linear(self.weight_in(dtype))
         rows = dropout_inputs(hidden, masks, self.p_drop)  # (n, K, d) float32
-        logits = self._rows_kernel(rows.reshape(-1, rows.shape[-1]).to(dtype)).float()
-        logits = logits.view(*rows.shape[:-1], -1)
+        if products is None:
+            if self._rows_kernel is None or self._rows_kernel.weight.dtype != dtype:
+                self._rows_kernel = shared_few_row_linear(self.weight_in(dtype))
+            products = self._rows_kernel(rows.reshape(-1, rows.shape[-1]).to(dtype))
+        logits = products.float().view(*rows.shape[:-1], -1)
         bounds = rounding_bound(dtype, self.weight.shape[1], self.max_row_norm, rows.norm(dim=-1), logits.abs().amax(-1))
         return logits, bounds
 

@@ -33,7 +33,7 @@ those computed from exact float32 head logits.
   ...: a few hundred to a few thousand of 262k on the embedded pair); what stays uncertain is each
   normalizer, over a tail of small mass known within e^{+-bound}, and a normalizer's error moves the JS of
   close distributions little (:func:`_shift_sensitivity`). On the embedded pair it decides every position of
-  35 recorded steps (js+majority; 8-bit corrections at p_drop 0.032, fused bfloat16 heads at 0.3).
+  35 recorded steps (js+majority; 8-bit corrections at p_drop 0.032, fused bfloat16 rows at 0.3).
 * Sampling (:func:`certified_decide`, per-token bounds): the tokens near each head's top are made exact,
   then head argmaxes, per-head acceptance probabilities and the JS comparison are bounded over the whole
   vocabulary (how far JS can move: :func:`js_error_bound`).
@@ -545,12 +545,12 @@ class DropMatch:
     (:meth:`prefetch`). On the sparse path (small p_drop, see :class:`~dropmatch.heads.dropout.DropoutHead`)
     nothing is prefetched: a position's K heads cost the gathered dropped columns only, computed one
     position at a time where they are needed. On the rows path (CPUs with oneDNN, large K p_drop) greedy
-    steps with screened clean logits prefetch as the dense path does, in bfloat16 (:meth:`fuses`); elsewhere
+    steps with screened clean logits prefetch the heads' own bfloat16 rows (:meth:`fuses`); elsewhere
     a position's K heads are one K-row pass, computed where needed: exact float32, whose decisions need no
     certification, or bfloat16 for greedy argmax votes on CPUs with native bfloat16 (:meth:`rows_dtype`),
     certified or recomputed in float32; greedy JS criteria take sparse heads with 8-bit corrections there
-    instead (:meth:`heads_for`). Prefetched products are combined with the clean logits one position at a
-    time, where a criterion asks. The criteria (argmaxes, JS) run only where the standard rule rejects,
+    instead (:meth:`heads_for`). Prefetched products are taken up one position at a time, where a criterion
+    asks. The criteria (argmaxes, JS) run only where the standard rule rejects,
     until DropMatch rejects.
 
     Args:
@@ -652,17 +652,22 @@ class DropMatch:
         for the first ``prefetch`` positions' perturbation rows (``hidden``: the L + 1 positions)."""
         masks = self.head.draw_masks(hidden.shape[0] - 1, generator, consume=sampling.greedy)
         n = min(self.prefetch_positions, masks.shape[0])
-        rows = self.head.perturbation_inputs(hidden[:n], masks[:n]) if n and self.fuses(sampling) else None
+        if not (n and self.fuses(sampling)):
+            rows = None
+        elif self.head.exact_rows:  # the heads' own inputs: their products are the heads
+            rows = self.head.row_inputs(hidden[:n], masks[:n], torch.bfloat16)
+        else:  # the perturbations: their products are added to the clean logits
+            rows = self.head.perturbation_inputs(hidden[:n], masks[:n])
         return Prefetch(rows, masks)
 
     def fuses(self, sampling: SamplingConfig) -> bool:
-        """Whether the step's heads ride in the verification GEMM as dense bfloat16 perturbation rows (the
-        screened head's dtype; :meth:`prefetch`): on the dense path always, on a rows head
-        (:attr:`DropoutHead.exact_rows`) under greedy decoding where its rows are bfloat16 and the clean logits
-        screened, for every criterion. There the K rows of all L positions cost one GEMM's few extra rows
+        """Whether the step's heads ride in the verification GEMM as bfloat16 rows (the screened head's dtype;
+        :meth:`prefetch`): the dense path's perturbation rows always; on a rows head (:attr:`DropoutHead.exact_rows`)
+        its bfloat16 rows, the heads' own inputs, under greedy decoding where its rows are bfloat16 and the clean
+        logits screened, for every criterion. There the K rows of all L positions cost one GEMM's few extra rows
         (embedded pair, p_drop 0.3, 2-core AMX Xeon: 6 + 25 rows take ~3-4.5 ms more than 6, where a position's
-        heads took ~7.4 ms as one int8 GEMM or ~14 ms as bfloat16 rows), and the decisions are certified on one
-        bound per head."""
+        heads took ~7.4 ms as one int8 GEMM or ~14 ms as a pass of their own), and the decisions are certified
+        on one bound per head, as on bfloat16 rows."""
         head = self.head
         if head.softcap or head.sparse or head.compute_dtype != torch.bfloat16:
             return False
@@ -703,8 +708,9 @@ class DropMatch:
 
         def compute(rows: slice, products: torch.Tensor | None) -> None:
             head = self.head if products is not None else unfused_head
-            if products is None and head.exact_rows:  # the heads directly: exact, or bounded per head
-                logits, bounds = head.row_logits(inp.hidden[rows], masks[rows], self.rows_dtype(inp.sampling))
+            if head.exact_rows:  # the heads directly (their rows fused or a pass of their own): exact, or bounded per head
+                dtype = self.rows_dtype(inp.sampling) if products is None else products.dtype
+                logits, bounds = head.row_logits(inp.hidden[rows], masks[rows], dtype, products=products)
                 heads.update({rows.start + i: (logits[i], bounds[i].unsqueeze(-1)) for i in range(logits.shape[0])})
                 return
             dtype = self.corrections_dtype(inp.sampling)
@@ -719,7 +725,7 @@ class DropMatch:
                 heads[rows.start + i] = (logits[i], scale * eps)
 
         def test(j: int) -> bool:
-            if j not in heads and j < n_fused:  # its products came with the clean logits; combined where asked
+            if j not in heads and j < n_fused:  # its products came with the clean logits; taken up where asked
                 compute(slice(j, j + 1), fused[j * self.head.k : (j + 1) * self.head.k])
             if j not in heads:
                 # Dense: the GEMM reads the whole head weight; a few more rows cost almost nothing, so
