@@ -476,7 +476,8 @@ class DropoutHead:
                 self._rows_kernel = shared_few_row_linear(self.weight_in(dtype))
             products = self._rows_kernel(rows.reshape(-1, rows.shape[-1]).to(dtype))
         logits = products.float().view(*rows.shape[:-1], -1)
-        bounds = rounding_bound(dtype, self.weight.shape[1], self.max_row_norm, rows.norm(dim=-1), logits.abs().amax(-1))
+        magnitude = torch.maximum(logits.amax(-1), -logits.amin(-1))  # max |logit|, without a (n, K, V) |.|
+        bounds = rounding_bound(dtype, self.weight.shape[1], self.max_row_norm, rows.norm(dim=-1), magnitude)
         return logits, bounds
 
     def exact_on(self, hidden: torch.Tensor, masks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
