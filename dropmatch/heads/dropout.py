@@ -467,7 +467,7 @@ class DropoutHead:
         bfloat16, float32 accumulation, output rounded). ``products``: that GEMM's output (n * K, V) for
         :meth:`row_inputs` already at hand (e.g. from the verification GEMM, bfloat16 with the same rounding)."""
         dtype = dtype or self.rows_dtype
-        if (dtype == self.weight.dtype or self.softcap) and products is None:  # capped: exact (no bound through tanh)
+        if self.softcap or (dtype == self.weight.dtype and products is None):  # capped: exact (no bound through tanh)
             logits = self.exact_logits(hidden, masks)
             return logits, torch.zeros(logits.shape[:2], device=logits.device)
         rows = dropout_inputs(hidden, masks, self.p_drop)  # (n, K, d) float32

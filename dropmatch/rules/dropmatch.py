@@ -550,8 +550,7 @@ class DropMatch:
     certification, or bfloat16 for greedy argmax votes on CPUs with native bfloat16 (:meth:`rows_dtype`),
     certified or recomputed in float32; greedy JS criteria take sparse heads with 8-bit corrections there
     instead (:meth:`heads_for`). Prefetched products are taken up one position at a time, where a criterion
-    asks. The criteria (argmaxes, JS) run only where the standard rule rejects,
-    until DropMatch rejects.
+    asks. The criteria (argmaxes, JS) run only where the standard rule rejects, until DropMatch rejects.
 
     Args:
         head: the K dropout heads.
@@ -649,7 +648,7 @@ class DropMatch:
 
     def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch:
         """Draw the step's masks now and, where the heads ride in the verification GEMM (:meth:`fuses`), ask
-        for the first ``prefetch`` positions' perturbation rows (``hidden``: the L + 1 positions)."""
+        for the first ``prefetch`` positions' rows (``hidden``: the L + 1 positions)."""
         masks = self.head.draw_masks(hidden.shape[0] - 1, generator, consume=sampling.greedy)
         n = min(self.prefetch_positions, masks.shape[0])
         if not (n and self.fuses(sampling)):
