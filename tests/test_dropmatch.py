@@ -404,6 +404,7 @@ def test_greedy_heads_of_a_rows_head_ride_in_the_screened_gemm(tiny):
                 assert (fused.n_accepted, fused.extra_accepts) == (expected.n_accepted, expected.extra_accepts)
                 accepted += fused.extra_accepts
             assert fused_calls and all(fused_calls) and accepted > 0  # only fused rows; some near misses accepted
+            assert rule._sparse_twin is None  # nor are the unfused positions' heads (JS: a sparse twin) built
         # the bounds the decisions rest on hold for the screened GEMM's products, against float64 heads
         prefetch = rule.prefetch(hidden, greedy, torch.Generator().manual_seed(0))
         _, products = target.head_with_extra(hidden, prefetch.rows, exact=False)

@@ -136,10 +136,11 @@ def head_path(criterion) -> str:
     """The head path a DropMatch criterion takes on greedy steps: "exact rows", "bfloat16 rows"
     (certified), sparse heads in their corrections' dtype, or dense heads in their compute dtype; "fused": the
     rows ride in the verification GEMM (:meth:`~dropmatch.rules.dropmatch.DropMatch.fuses`)."""
-    head, dtype = criterion.heads_for(SamplingConfig()), criterion.heads_dtype(SamplingConfig())
+    dtype = criterion.heads_dtype(SamplingConfig())
     name = "8-bit" if dtype == BYTE_ROWWISE else str(dtype).removeprefix("torch.")
     if criterion.fuses(SamplingConfig()):
         return f"{name} rows fused" if criterion.head.exact_rows else f"dense {name} fused"
+    head = criterion.heads_for(SamplingConfig())
     if dtype == BYTE_ROWWISE and head.corrections_by_gemm:
         return "sparse int8 GEMM"
     if head.exact_rows:

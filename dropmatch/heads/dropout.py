@@ -465,8 +465,9 @@ class DropoutHead:
         :attr:`rows_dtype`), and bounds (n, K) in nats on each head's error against :meth:`exact_logits`:
         zero in the weight's precision; in bfloat16 the screened head's rounding bound (inputs rounded to
         bfloat16, float32 accumulation, output rounded). ``products``: that GEMM's output (n * K, V) for
-        :meth:`row_inputs` already at hand (e.g. from the verification GEMM, bfloat16 with the same rounding)."""
-        dtype = dtype or self.rows_dtype
+        :meth:`row_inputs` already at hand (e.g. from the verification GEMM, bfloat16 with the same rounding);
+        their own dtype is then the GEMM's, whatever ``dtype`` says."""
+        dtype = products.dtype if products is not None else dtype or self.rows_dtype
         if self.softcap or (dtype == self.weight.dtype and products is None):  # capped: exact (no bound through tanh)
             logits = self.exact_logits(hidden, masks)
             return logits, torch.zeros(logits.shape[:2], device=logits.device)

@@ -703,13 +703,14 @@ class DropMatch:
         heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         fused = inp.prefetch.products if inp.prefetch is not None else None
         n_fused = 0 if fused is None else fused.shape[0] // self.head.k
-        unfused_head = self.heads_for(inp.sampling)  # the positions whose rows did not ride in the GEMM
 
         def compute(rows: slice, products: torch.Tensor | None) -> None:
-            head = self.head if products is not None else unfused_head
+            # a position whose rows did not ride in the GEMM takes heads_for's heads (asked only then: on a rows
+            # head that builds a sparse twin, which fused steps never need)
+            head = self.head if products is not None else self.heads_for(inp.sampling)
             if head.exact_rows:  # the heads directly (their rows fused or a pass of their own): exact, or bounded per head
-                dtype = self.rows_dtype(inp.sampling) if products is None else products.dtype
-                logits, bounds = head.row_logits(inp.hidden[rows], masks[rows], dtype, products=products)
+                logits, bounds = head.row_logits(inp.hidden[rows], masks[rows], self.rows_dtype(inp.sampling),
+                                                 products=products)
                 heads.update({rows.start + i: (logits[i], bounds[i].unsqueeze(-1)) for i in range(logits.shape[0])})
                 return
             dtype = self.corrections_dtype(inp.sampling)
@@ -729,7 +730,8 @@ class DropMatch:
             if j not in heads:
                 # Dense: the GEMM reads the whole head weight; a few more rows cost almost nothing, so
                 # the next ``prefetch - 1`` positions come with this one. Sparse: one position.
-                span = 1 if (unfused_head.sparse or unfused_head.exact_rows) else self.prefetch_positions
+                unfused = self.heads_for(inp.sampling)
+                span = 1 if (unfused.sparse or unfused.exact_rows) else self.prefetch_positions
                 compute(slice(j, min(j + span, inp.n_draft)), None)
             self.counters.evaluations += 1
             logits, eps = heads[j]
