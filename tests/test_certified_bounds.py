@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dropmatch.rules.dropmatch as dropmatch_rules
+from dropmatch import kernels
 from dropmatch.rules.divergence import js_bounds, js_divergence
 from dropmatch.rules.dropmatch import (
     CRITERIA,
@@ -22,6 +23,8 @@ from dropmatch.rules.dropmatch import (
     tail_certified_decide,
 )
 from dropmatch.sampling import SamplingConfig
+
+from .test_kernels import BUILDS_HERE
 
 GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=0.8)
 
@@ -139,9 +142,15 @@ def tail_case(seed: int, vocab: int = 3000, k: int = 5):
 @pytest.mark.parametrize("criterion", CRITERIA)
 @pytest.mark.parametrize("q_is_logits", [True, False], ids=["draft-logits", "draft-probs"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared-cut", "per-head-cut"])
-def test_tail_certified_decisions_equal_exact_ones(criterion, q_is_logits, per_head, monkeypatch):
+@pytest.mark.parametrize("statistics", ["native", "torch"])
+def test_tail_certified_decisions_equal_exact_ones(criterion, q_is_logits, per_head, statistics, monkeypatch):
     """Per-head cuts (taken past SHARED_CUT_MAX_KEPT kept tokens) run on heads whose ln Z lie apart: each head's
-    logits scaled by its own factor (as heads spread apart at a large p_drop)."""
+    logits scaled by its own factor (as heads spread apart at a large p_drop). The heads' normalizers, centroid
+    and maximum come from the native kernel (which must run wherever it builds) or from torch."""
+    if statistics == "torch":
+        monkeypatch.setattr(dropmatch_rules, "head_statistics", lambda *args: None)
+    elif BUILDS_HERE:
+        assert kernels.available()
     if per_head:
         monkeypatch.setattr(dropmatch_rules, "SHARED_CUT_MAX_KEPT", 0)
     verdicts = []

@@ -8,7 +8,8 @@
    each step allocate fresh memory, which put ~20 ms on a 55 ms step of a 2-core AMX Xeon (78 against
    55.5 ms) and so understated every overhead below (issue 10's figures before 2026-12-06 included).
 2. The recorded steps are replayed through the head and each rule (interleaved, repeated, identical
-   inputs): standard verification and DropMatch (naive, js+majority; K = 5) at p_drop = 0.032 (the
+   inputs, each timed step after a read of as many bytes as the float32 LM head, so that every rule meets the
+   caches as a verify step does and none the state another rule left): standard verification and DropMatch (naive, js+majority; K = 5) at p_drop = 0.032 (the
    equal-noise value of a 640-wide model) and 0.3, masks drawn inside the timed step, exact decisions.
    The head path is DropoutHead's and DropMatch's choice (``DropMatch.fuses``, ``DropMatch.heads_for``), named
    after the requested head dtype in each row: "bfloat16 rows fused" (every position's rows in the screened
@@ -104,10 +105,16 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
             criterion = getattr(rule, "criterion", None)
             if hasattr(criterion, "counters"):
                 criterion.counters = type(criterion.counters)()  # count the timed steps only
+        # every timed step starts from the same cache state: after a read of as many bytes as the float32 LM head,
+        # as the target's trunk and the draft's passes leave the caches between two verify steps (left to the
+        # rule before it, a step's head GEMM took ~0.8 ms less after a step on the same bfloat16 weight than after
+        # the float32 head rule's pass, which favoured the rows run after a bfloat16 one: "standard" among them)
+        evict = torch.ones(pair.target.head_weight.numel())
         for repeat in range(repeats):
             for i, inp in enumerate(recorder.steps):
                 draft = Draft(inp.draft_tokens, inp.draft_probs, inp.draft_logits)
                 for name, rule in rules.items():
+                    evict.sum()
                     start = time.perf_counter()
                     verdict = verify_step(pair.target, rule, inp.hidden, draft, inp.sampling,
                                           torch.Generator().manual_seed(i))

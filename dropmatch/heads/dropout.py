@@ -43,6 +43,10 @@ AMX / AVX512-VNNI), else bfloat16 where the CPU has native bfloat16; their decis
 bound per head (see ``DropMatch.corrections_dtype``). Rows never read the clean logits (fused or not); the
 sparse heads take the verify step's screened clean logits and certify their decisions.
 
+For a greedy JS decision on one position, :meth:`DropoutHead.summarized_logits` turns the CPU sparse path's bag sums
+into the heads and takes their centroid, maximum and normalizers' sums in the same pass (the native
+:func:`~dropmatch.kernels.head_statistics`, where it builds).
+
 Otherwise :attr:`DropoutHead.sparse` picks the path with an explainable rule: sparse when the expected union of
 dropped columns of one position's K heads, d (1 - (1 - p)^K), is at most ``sparse_max_fraction`` of d
 (default 0.35: the gathered columns are read twice, copied then multiplied, and the dense rows ride
@@ -62,7 +66,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..errors import ConfigError
+from ..kernels import HeadStatistics
 from ..onednn_linear import (
     FewRowLinear,
     WeightWatch,
@@ -395,13 +401,29 @@ class DropoutHead:
         if dtype == BYTE_ROWWISE and self.corrections_by_gemm:  # every column of W, once, for all the heads
             return int8_products(self.int8_weight(), hidden.float().unsqueeze(1) * dropped, -1.0 / (1.0 - self.p_drop),
                                  clean / (1.0 - self.p_drop))
+        return self._subtracted(clean, self._bag_sums(hidden, dropped, dtype))
+
+    def _subtracted(self, clean: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        """The heads clean / (1 - p) - sums (n, K, V) float32 from the clean logits (n, 1, V) and the bag sums
+        (n, K, padded V), in place where the sums are float32."""
+        vocab = clean.shape[-1]
+        scaled = clean / (1.0 - self.p_drop)
+        if sums.shape[-1] != vocab:  # the last block is padded
+            scaled = F.pad(scaled, (0, sums.shape[-1] - vocab))
+        logits = torch.sub(scaled, sums, out=sums) if sums.dtype == torch.float32 else torch.sub(scaled, sums).float()
+        return logits if sums.shape[-1] == vocab else logits[..., :vocab].contiguous()
+
+    def _bag_sums(self, hidden: torch.Tensor, dropped: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The CPU sparse path's corrections ``W[:, D_i] h_{D_i} / (1 - p)`` (n, K, n_blocks * width), float32
+        (``dtype``'s for bfloat16 columns): embedding bags over the rows of the blocked W^T, one bag per head and
+        vocabulary block, laid out as the logits (the vocabulary zero-padded to whole blocks)."""
+        n, k, d = dropped.shape
         if dtype == BYTE_ROWWISE:
             blocks = self.byte_blocks()
             n_blocks, width = blocks.packed.shape[0] // d, blocks.width
         else:
             blocks = self.blocks_in(dtype)
             n_blocks, width = blocks.shape[0] // d, blocks.shape[1]
-        vocab = clean.shape[-1]
         bags = dropped.reshape(n * k, d)
         bag, column = bags.nonzero(as_tuple=True)  # ordered by bag (position i * K + head)
         sizes = bags.sum(1)
@@ -420,12 +442,28 @@ class DropoutHead:
             sums = byte_bag_sums(blocks, indices, offsets, weights)  # (n K n_blocks, width) float32
         else:
             sums = F.embedding_bag(indices, blocks, offsets, mode="sum", per_sample_weights=weights.to(blocks.dtype))
-        sums = sums.view(n, k, n_blocks * width)
-        scaled = clean / (1.0 - self.p_drop)
-        if n_blocks * width != vocab:  # the last block is padded
-            scaled = F.pad(scaled, (0, n_blocks * width - vocab))
-        logits = torch.sub(scaled, sums, out=sums) if sums.dtype == torch.float32 else torch.sub(scaled, sums).float()
-        return logits if n_blocks * width == vocab else logits[..., :vocab].contiguous()
+        return sums.view(n, k, n_blocks * width)
+
+    def summarized_logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,
+                          sparse_dtype: torch.dtype | None = None, draft_logits: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, HeadStatistics | None]:
+        """:meth:`logits` of one position (1, K, V), with the K heads' :class:`~dropmatch.kernels.HeadStatistics`
+        (centroid, maximum, exponential sums, and those of ``draft_logits`` (V,) if given) where the CPU sparse
+        path's bag sums are turned into the heads by :func:`~dropmatch.kernels.head_statistics`: the subtraction
+        and the statistics in one pass, where torch takes several (a greedy JS decision reads them); else
+        ``None`` beside the same logits."""
+        dtype = sparse_dtype or self.compute_dtype
+        dropped = ~masks
+        if (self.softcap or not self.sparse or hidden.shape[0] != 1 or hidden.device.type != "cpu"
+                or dtype not in (BYTE_ROWWISE, torch.float32) or (dtype == BYTE_ROWWISE and self.corrections_by_gemm)
+                or not bool(dropped.any()) or not kernels.available()):
+            return self.logits(hidden, clean_logits, masks, sparse_dtype=sparse_dtype), None
+        sums = self._bag_sums(hidden, dropped, dtype)  # (1, K, padded V) float32
+        vocab = clean_logits.shape[-1]
+        statistics = kernels.head_statistics(sums[0, :, :vocab], draft_logits, clean_logits[0].float(), 1.0 - self.p_drop)
+        if statistics is None:
+            return self._subtracted(clean_logits.float().unsqueeze(1), sums), None
+        return (sums if sums.shape[-1] == vocab else sums[..., :vocab].contiguous()), statistics
 
     # -- heads -----------------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,

@@ -50,6 +50,7 @@ import torch
 from ..errors import ConfigError
 from ..heads.byte_columns import BYTE_ROWWISE
 from ..heads.dropout import DropoutHead
+from ..kernels import HeadStatistics, head_statistics
 from ..sampling import SamplingConfig, argmax, indices_at_least, sample_with_uniform, true_indices
 from .base import PositionTest, Prefetch, VerifyInput
 from .divergence import js_bounds, js_divergence
@@ -126,18 +127,20 @@ def centroid_logits(head_logits: torch.Tensor) -> torch.Tensor:
     return head_logits.sum(dim=0).div_(head_logits.shape[0])
 
 
-def _log_normalizers(logits: torch.Tensor) -> torch.Tensor:
+def _log_normalizers(logits: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
     """ln sum_v exp(logits) along the last axis, float64 (...,), from the float32 sum of the exponentials
     (the log taken in float64: a float32 ln Z of ~20 nats would carry ~2e-6 of rounding, more than
-    :data:`JS_SLACK`).
+    :data:`JS_SLACK`), or from those ``sums`` (...,) where they were taken already
+    (:func:`~dropmatch.kernels.head_statistics`).
 
     The logits are exponentiated as they are (no pass for the maximum, no rounding of a shift). That is
     kept where every row's sum is finite and at least 1e-8: the terms are positive, so no partial sum
     overflowed; the row's maximum lies above ln(1e-8 / V), so the terms that make its sum are normal
     floats, and those that underflow add less than V 1e-38. Otherwise each row is shifted by its maximum
     (exact) first."""
-    sums = torch.exp(logits).sum(-1)
-    low, high = torch.aminmax(sums)
+    if sums is None:
+        sums = torch.exp(logits).sum(-1)
+    low, high = torch.aminmax(sums.reshape(-1))
     if float(low) >= 1e-8 and math.isfinite(float(high)):
         return sums.double().log()
     row_top = logits.amax(-1, keepdim=True)
@@ -411,9 +414,30 @@ def _head_max(approx: torch.Tensor) -> torch.Tensor:
     return approx.amax(0) if approx.shape[0] > 1 else approx[0]
 
 
+def _head_statistics(approx: torch.Tensor, draft_logits: torch.Tensor | None, statistics: HeadStatistics | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]:
+    """What :func:`tail_certified_decide` reads of the whole vocabulary: the heads' ln Z (K,) float64, the
+    centroid's logits (V,) and ln Z (float64), the draft's ln Z (0.0 without ``draft_logits``) and the heads'
+    maximum (V,). From ``statistics`` where the heads came with them (the draft's ln Z in torch if they came
+    without it), else on CPUs in one pass of :func:`~dropmatch.kernels.head_statistics` where it runs (embedded
+    pair, K = 5, caches as a verify step leaves them, 2-core AMX Xeon: ~1.0 against ~1.5 ms), else in torch."""
+    k = approx.shape[0]
+    if statistics is None:
+        statistics = head_statistics(approx, draft_logits)
+    draft_sum = statistics.sums[k + 1] if statistics is not None and statistics.sums.numel() > k + 1 else None
+    log_zq = float(_log_normalizers(draft_logits, draft_sum)) if draft_logits is not None else 0.0
+    if statistics is None:
+        centroid = centroid_logits(approx)
+        return _log_normalizers(approx), centroid, _log_normalizers(centroid), log_zq, _head_max(approx)
+    sums = statistics.sums
+    return (_log_normalizers(approx, sums[:k]), statistics.centroid, _log_normalizers(statistics.centroid, sums[k]),
+            log_zq, statistics.head_max)
+
+
 def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tensor,
                           exact_on: Callable[[torch.Tensor], torch.Tensor], draft_token: int,
-                          q: torch.Tensor, q_is_logits: bool, majority: str = "strict") -> bool | None:
+                          q: torch.Tensor, q_is_logits: bool, majority: str = "strict",
+                          statistics: HeadStatistics | None = None) -> bool | None:
     """The greedy decision of :func:`decide` on exact head logits, from computed ones, or ``None`` if the
     bounds do not settle it.
 
@@ -422,6 +446,8 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
         exact_on: tokens (m,) -> the exact head logits there (K, m), for the few tokens that matter.
         q: the draft distribution (V,), exact, or its logits (``q_is_logits``), whose float32 normalizer is
             charged :data:`NORMALIZER_NOISE` (read by JS criteria only).
+        statistics: the centroid, maximum and exponential sums of ``approx`` where its heads came with them
+            (:meth:`~dropmatch.heads.dropout.DropoutHead.summarized_logits`); else computed here.
 
     Votes are the heads' exact argmaxes (for js+majority from the JS test's gather where it holds every
     token that could be one, else :func:`exact_argmaxes`). The JS test is :func:`_bounded_js_verdict`'s
@@ -438,13 +464,10 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
         return None if tokens is None else _votes_decide(criterion, tokens == draft_token, tokens, draft_token, majority)
     votes_pending = criterion == "js+majority"
     err = err.double()
-    log_z = _log_normalizers(approx)
-    centroid = centroid_logits(approx)
-    log_zc = _log_normalizers(centroid)
-    log_zq = float(_log_normalizers(q)) if q_is_logits else 0.0
+    log_z, centroid, log_zc, log_zq, head_max = _head_statistics(approx, q if q_is_logits else None, statistics)
     eta_q = torch.tensor(NORMALIZER_NOISE if q_is_logits else 0.0, dtype=torch.float64)  # ln Z from a float32 sum
     draft_total = 1.0 if q_is_logits else float(q.sum(dtype=torch.float64))
-    head_max, top_log_prob = _head_max(approx), None
+    top_log_prob = None
     lowest = min(float(log_z.min()), float(log_zc))
     # Kept at a cut: the tokens where a head's distribution, the centroid's or the draft's reaches it; any superset
     # gives valid bounds, and a larger one tighter bounds at the cost of its gather. One threshold on the heads'
@@ -701,6 +724,7 @@ class DropMatch:
         masks = self.draw(inp)
         thresholds = self._vote_thresholds(inp)
         heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        statistics: dict[int, HeadStatistics] = {}  # of the sparse heads a greedy JS decision reads
         fused = inp.prefetch.products if inp.prefetch is not None else None
         n_fused = 0 if fused is None else fused.shape[0] // self.head.k
 
@@ -714,7 +738,13 @@ class DropMatch:
                 heads.update({rows.start + i: (logits[i], bounds[i].unsqueeze(-1)) for i in range(logits.shape[0])})
                 return
             dtype = self.corrections_dtype(inp.sampling)
-            logits = head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], products, dtype)
+            if products is None and inp.sampling.greedy and self.criterion in JS_CRITERIA and rows.stop - rows.start == 1:
+                logits, summary = head.summarized_logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], dtype,
+                                                         inp.draft_logits_at(rows.start))
+                if summary is not None:
+                    statistics[rows.start] = summary
+            else:
+                logits = head.logits(inp.hidden[rows], inp.target_logits[rows], masks[rows], products, dtype)
             from_gemm = products is not None
             prod = head.product_bounds(inp.hidden[rows], masks[rows], inp.target_logits[rows], logits, from_gemm,
                                        read_outputs=not inp.sampling.greedy, sparse_dtype=dtype)  # greedy: one bound per head
@@ -742,7 +772,7 @@ class DropMatch:
                 if not math.isfinite(bound):
                     verdict = None
                 elif inp.sampling.greedy:
-                    verdict = self._tail_certified(j, logits, eps, x, inp, masks)
+                    verdict = self._tail_certified(j, logits, eps, x, inp, masks, statistics.get(j))
                 else:
                     verdict = self._escalated(j, logits, eps, x, inp, masks, threshold)
                 if verdict is not None:
@@ -763,8 +793,9 @@ class DropMatch:
         return False
 
     def _tail_certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, inp: VerifyInput,
-                        masks: torch.Tensor) -> bool | None:
-        """:func:`tail_certified_decide` at position j (greedy decoding), its kept tokens made exact."""
+                        masks: torch.Tensor, summary: HeadStatistics | None = None) -> bool | None:
+        """:func:`tail_certified_decide` at position j (greedy decoding), its kept tokens made exact (``summary``:
+        the heads' statistics where they came with them)."""
         def exact_on(tokens: torch.Tensor) -> torch.Tensor:
             self.counters.refined_tokens += int(tokens.numel())
             return self.head.exact_on(inp.hidden[j : j + 1], masks[j : j + 1], tokens)[0]
@@ -772,7 +803,7 @@ class DropMatch:
         draft_logits = inp.draft_logits_at(j)
         q = inp.draft_distribution(j) if draft_logits is None else draft_logits
         return tail_certified_decide(self.criterion, logits, eps.amax(-1), exact_on, x, q, draft_logits is not None,
-                                     self.majority)
+                                     self.majority, summary)
 
     def _escalated(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, inp: VerifyInput,
                    masks: torch.Tensor, threshold: float | None) -> bool | None:

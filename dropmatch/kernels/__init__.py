@@ -1,0 +1,137 @@
+"""Native CPU kernels: small C sources built on first use with the system C compiler, loaded with ctypes.
+
+They are optional. :func:`head_statistics` returns ``None`` where this is not x86-64 Linux with a C
+compiler and glibc's vector math library, where ``DROPMATCH_NATIVE=0``, or for tensors it does not take;
+callers then keep their torch path, which computes the same quantities.
+
+Build: ``$CC`` (default ``cc``) with ``-march=native`` into ``$DROPMATCH_CACHE/kernels/``, named by a hash of
+the source, the flags, the compiler and the CPU's feature flags (a cache shared by different machines never
+loads another CPU's build). With no ``-ffast-math``, loading does not change the process's floating-point
+mode. The OpenMP pragmas run on the runtime torch itself runs on (its ``libgomp.so.1``, already loaded), so
+the kernels add no second thread pool; on a torch without OpenMP they are built single-threaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..paths import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("head_statistics.c")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-shared", "-fPIC")
+LIBRARIES = ("-lmvec", "-lm")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``), which ``-march=native`` compiles for."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _flags() -> tuple[str, ...]:
+    return FLAGS + (("-fopenmp",) if torch.backends.openmp.is_available() else ("-fopenmp-simd",))
+
+
+def _build(target: Path, compiler: str, flags: tuple[str, ...]) -> None:
+    """Compile :data:`SOURCE` to ``target`` (atomically: another process may build the same one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), *LIBRARIES], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(built, target)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built kernels, or ``None`` where they cannot be built or loaded here (logged once)."""
+    if os.environ.get("DROPMATCH_NATIVE", "1") == "0" or sys.platform != "linux" or platform.machine() != "x86_64":
+        return None
+    compiler, flags = os.environ.get("CC", "cc"), _flags()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, *LIBRARIES, _cpu_flags()]).encode())
+    target = cache_root() / "kernels" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(target, compiler, flags)
+        library = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        log.warning("native kernels unavailable, using torch instead (%s: %s)", type(error).__name__, detail)
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_long
+    library.head_statistics.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer, pointer, pointer,
+                                        pointer]
+    library.head_statistics.restype = ctypes.c_int
+    return library
+
+
+def available() -> bool:
+    """Whether the native kernels run here."""
+    return _library() is not None
+
+
+@dataclass(frozen=True)
+class HeadStatistics:
+    """What a decision reads of K head logits over the whole vocabulary (:func:`head_statistics`)."""
+
+    centroid: torch.Tensor  # (V,) float32: the heads' mean, (l_1 + ... + l_K) / K
+    head_max: torch.Tensor  # (V,) float32: the heads' largest logit at each token
+    sums: torch.Tensor  # (K + 1,) float64: sum_v exp of each head and of the centroid, then the draft's if given
+
+
+def _cpu_float32(tensor: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+    return tensor is None or (tensor.device.type == "cpu" and tensor.dtype == torch.float32
+                              and tuple(tensor.shape) == shape)
+
+
+def head_statistics(logits: torch.Tensor, draft: torch.Tensor | None = None, clean: torch.Tensor | None = None,
+                    keep: float = 1.0) -> HeadStatistics | None:
+    """The centroid, the maximum and the exponential sums of K head logits, in one pass over them.
+
+    Args:
+        logits: (K, V) float32 on the CPU, rows contiguous (a row stride of at least V). With ``clean``, the
+            heads' corrections instead, which become the heads ``clean / keep - logits`` in place first (the
+            float32 operations torch's ``clean / keep - logits`` performs).
+        draft: (V,) float32 draft logits, or ``None``.
+        clean: (V,) float32 dropout-free logits, or ``None``.
+        keep: 1 - p_drop (read with ``clean`` only).
+
+    Returns:
+        :class:`HeadStatistics`, the sums ((K + 2,) with a draft) each within a relative 1e-5 (see
+        ``head_statistics.c``); ``None``
+        where the kernels do not run here or do not take these tensors (``logits`` then untouched).
+    """
+    if logits.dim() != 2 or logits.stride(-1) != 1 or logits.stride(0) < logits.shape[1] or 0 in logits.shape:
+        return None
+    k, vocab = logits.shape
+    if not (_cpu_float32(logits, (k, vocab)) and _cpu_float32(draft, (vocab,)) and _cpu_float32(clean, (vocab,))):
+        return None
+    library = _library()
+    if library is None:
+        return None
+    draft = None if draft is None else draft.contiguous()
+    clean = None if clean is None else clean.contiguous()
+    centroid, head_max = torch.empty(vocab), torch.empty(vocab)
+    sums = torch.empty(k + 2, dtype=torch.float64)
+    status = library.head_statistics(logits.data_ptr(), k, vocab, logits.stride(0),
+                                     None if clean is None else clean.data_ptr(), keep,
+                                     None if draft is None else draft.data_ptr(), centroid.data_ptr(),
+                                     head_max.data_ptr(), sums.data_ptr())
+    return HeadStatistics(centroid, head_max, sums if draft is not None else sums[:-1]) if status == 0 else None

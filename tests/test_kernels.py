@@ -1,0 +1,116 @@
+"""The native head-statistics kernel against torch, its in-place subtraction, and its fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import sys
+
+import pytest
+import torch
+
+from dropmatch import kernels
+from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
+from dropmatch.heads.dropout import DropoutHead
+
+BUILDS_HERE = sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("cc") is not None
+
+
+@pytest.fixture
+def native():
+    """The kernels, which must build wherever a C compiler runs on x86-64 Linux (as on CI)."""
+    if not BUILDS_HERE:
+        pytest.skip("native kernels build on x86-64 Linux with a C compiler")
+    assert kernels.available()
+
+
+def torch_statistics(logits: torch.Tensor, draft: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    centroid = logits.sum(0) / logits.shape[0]
+    sums = [logits.double().exp().sum(-1), centroid.double().exp().sum().reshape(1)]
+    if draft is not None:
+        sums.append(draft.double().exp().sum().reshape(1))
+    return centroid, logits.amax(0), torch.cat(sums)
+
+
+@pytest.mark.parametrize("k, vocab", [(5, 262144), (5, 3001), (1, 1000), (7, 3)])
+@pytest.mark.parametrize("with_draft", [True, False])
+def test_statistics_equal_torch_s(native, k, vocab, with_draft):
+    g = torch.Generator().manual_seed(k * vocab)
+    logits = 6 * torch.randn(k, vocab, generator=g)
+    draft = 4 * torch.randn(vocab, generator=g) if with_draft else None
+    stats = kernels.head_statistics(logits, draft)
+    centroid, head_max, sums = torch_statistics(logits, draft)
+    assert torch.equal(stats.head_max, head_max)
+    torch.testing.assert_close(stats.centroid, centroid, rtol=0, atol=1e-6 * float(logits.abs().max()))
+    assert stats.sums.dtype == torch.float64 and stats.sums.shape == sums.shape
+    assert ((stats.sums - sums).abs() / sums).max() < 1e-6  # the decision allows 1e-5 (NORMALIZER_NOISE)
+
+
+def test_corrections_become_the_heads_in_place_as_torch_computes_them(native):
+    """With the clean logits, rows of corrections (here a slice of wider rows, as padded vocabulary blocks
+    give) become clean / keep - corrections bit for bit, and the statistics are those of the heads."""
+    g = torch.Generator().manual_seed(0)
+    vocab, keep = 5000, 1.0 - 0.032
+    clean = 8 * torch.randn(vocab, generator=g)
+    padded = torch.randn(5, 5120, generator=g)
+    corrections = padded[:, :vocab]
+    heads = clean / keep - corrections
+    stats = kernels.head_statistics(corrections, clean=clean, keep=keep)
+    assert torch.equal(padded[:, :vocab], heads)
+    assert torch.equal(stats.head_max, heads.amax(0))
+    assert ((stats.sums - torch_statistics(heads, None)[2]).abs() / stats.sums).max() < 1e-6
+
+
+@pytest.mark.skipif(not byte_bags_supported(), reason="8-bit columns need fbgemm")
+def test_sparse_heads_come_with_their_statistics(native):
+    """The sparse 8-bit heads of one position: the same logits as without statistics, and statistics of them."""
+    g = torch.Generator().manual_seed(1)
+    weight, hidden = torch.randn(3000, 32, generator=g), 3 * torch.randn(1, 32, generator=g)
+    head = DropoutHead(weight, k=5, p_drop=0.06, compute_dtype=torch.float32, sparse=True, sparse_dtype=BYTE_ROWWISE,
+                       vocab_block=1024)  # three blocks and a padded one
+    masks = head.draw_masks(1, torch.Generator().manual_seed(2))
+    clean, draft = weight @ hidden[0], torch.randn(3000, generator=g)
+    logits, stats = head.summarized_logits(hidden, clean.unsqueeze(0), masks, BYTE_ROWWISE, draft)
+    assert torch.equal(logits, head.logits(hidden, clean.unsqueeze(0), masks, sparse_dtype=BYTE_ROWWISE))
+    centroid, head_max, sums = torch_statistics(logits[0], draft)
+    assert torch.equal(stats.head_max, head_max)
+    torch.testing.assert_close(stats.centroid, centroid, rtol=0, atol=1e-6 * float(logits.abs().max()))
+    assert ((stats.sums - sums).abs() / sums).max() < 1e-6
+    rows = DropoutHead(weight, k=5, p_drop=0.06, exact_rows=True, rows_dtype=torch.float32)
+    assert rows.summarized_logits(hidden, clean.unsqueeze(0), masks)[1] is None  # the rows path computes none
+
+
+def test_what_it_does_not_take_goes_back_untouched(native):
+    logits = torch.randn(5, 100)
+    before = logits.clone()
+    assert kernels.head_statistics(logits.double()) is None
+    assert kernels.head_statistics(logits.T) is None  # columns, not rows
+    assert kernels.head_statistics(logits, torch.randn(99)) is None
+    assert kernels.head_statistics(logits, clean=torch.randn(100).double()) is None
+    assert kernels.head_statistics(torch.randn(0, 100)) is None
+    assert torch.equal(logits, before)
+
+
+def test_loading_leaves_the_floating_point_mode_alone(native):
+    """No -ffast-math: loading the library must not flush subnormal floats to zero for the whole process."""
+    tiny = torch.tensor([1e-38])
+    assert float(tiny / 1000) > 0
+
+
+def test_without_a_compiler_callers_get_none(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("DROPMATCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    kernels._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dropmatch.kernels"):
+            assert kernels.head_statistics(torch.randn(5, 100)) is None
+            assert not kernels.available()
+        if BUILDS_HERE:
+            assert "native kernels unavailable" in caplog.text
+        monkeypatch.setenv("DROPMATCH_NATIVE", "0")
+        monkeypatch.delenv("CC")
+        kernels._library.cache_clear()
+        assert not kernels.available()
+    finally:
+        kernels._library.cache_clear()
