@@ -6,8 +6,8 @@
  * as a verify step leaves them); here the vocabulary is read once, in tiles that stay in the L1 cache, by the
  * threads of the OpenMP runtime torch runs on. Exponentials come from glibc's vector math library (libmvec,
  * <= 4 ulp). Sums: float32 within blocks of SUM_BLOCK terms (<= SUM_BLOCK - 1 roundings of at most 2^-24 of
- * the block's sum: relative error < 1e-5 with the exponentials'), then float64. The centroid is
- * (l_1 + ... + l_K) / K in float32, left to right, as torch sums a (K, V) tensor along its first axis.
+ * the block's sum: relative error < 1e-5 with the exponentials'), then float64, tile by tile in order (the same
+ * sums whatever the threads). The centroid is (l_1 + ... + l_K) / K in float32, summed left to right.
  */
 #include <math.h>
 #include <stdint.h>
