@@ -105,11 +105,13 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
             criterion = getattr(rule, "criterion", None)
             if hasattr(criterion, "counters"):
                 criterion.counters = type(criterion.counters)()  # count the timed steps only
-        # every timed step starts from the same cache state: after a read of as many bytes as the float32 LM head,
-        # as the target's trunk and the draft's passes leave the caches between two verify steps (left to the
-        # rule before it, a step's head GEMM took ~0.8 ms less after a step on the same bfloat16 weight than after
-        # the float32 head rule's pass, which favoured the rows run after a bfloat16 one: "standard" among them)
-        evict = torch.ones(pair.target.head_weight.numel())
+        # every timed step starts from the same cache state: after a read of as many bytes as the float32 LM head
+        # (at most 1 GiB, more than any cache), as the target's trunk and the draft's passes leave the caches between
+        # two verify steps (left to the rule before it, a step's head GEMM took ~0.8 ms less after a step on the
+        # same bfloat16 weight than after the float32 head rule's pass, which favoured the rows run after a
+        # bfloat16 one: "standard" among them)
+        weight = pair.target.head_weight
+        evict = torch.ones(min(weight.numel(), 2**28), device=weight.device)
         for repeat in range(repeats):
             for i, inp in enumerate(recorder.steps):
                 draft = Draft(inp.draft_tokens, inp.draft_probs, inp.draft_logits)
