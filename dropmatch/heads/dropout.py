@@ -68,7 +68,6 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..errors import ConfigError
-from ..kernels import HeadStatistics
 from ..onednn_linear import (
     FewRowLinear,
     WeightWatch,
@@ -446,7 +445,7 @@ class DropoutHead:
 
     def summarized_logits(self, hidden: torch.Tensor, clean_logits: torch.Tensor, masks: torch.Tensor,
                           sparse_dtype: torch.dtype | None = None, draft_logits: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, HeadStatistics | None]:
+                          ) -> tuple[torch.Tensor, kernels.HeadStatistics | None]:
         """:meth:`logits` of one position (1, K, V), with the K heads' :class:`~dropmatch.kernels.HeadStatistics`
         (centroid, maximum, exponential sums, and those of ``draft_logits`` (V,) if given) where the CPU sparse
         path's bag sums are turned into the heads by :func:`~dropmatch.kernels.head_statistics`: the subtraction

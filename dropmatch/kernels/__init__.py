@@ -115,8 +115,8 @@ def head_statistics(logits: torch.Tensor, draft: torch.Tensor | None = None, cle
 
     Returns:
         :class:`HeadStatistics`, the sums ((K + 2,) with a draft) each within a relative 1e-5 (see
-        ``head_statistics.c``); ``None``
-        where the kernels do not run here or do not take these tensors (``logits`` then untouched).
+        ``head_statistics.c``); ``None`` where the kernels do not run here or do not take these tensors
+        (``logits`` then untouched).
     """
     if logits.dim() != 2 or logits.stride(-1) != 1 or logits.stride(0) < logits.shape[1] or 0 in logits.shape:
         return None
