@@ -149,9 +149,21 @@ def describe_model(lm) -> str:
     return f"{kind} on {'+'.join(devices)}"
 
 
+def cpu_model() -> str:
+    """The CPU's model name where ``/proc/cpuinfo`` gives it (Linux), else the platform's processor or machine."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    machine = platform.processor() or platform.machine()
+    return f"{name} ({machine})" if name else machine
+
+
 def machine_line() -> str:
-    """One line naming the processor, torch's threads and the torch and Python versions."""
-    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    """One line naming the processor (its model where known: timings differ between an AVX2 EPYC and an AMX
+    Xeon), torch's threads and the torch and Python versions."""
+    return (f"{cpu_model()}, {torch.get_num_threads()} threads, "
             f"torch {torch.__version__}, python {platform.python_version()}")
 
 

@@ -12,6 +12,8 @@ from dropmatch.errors import ConfigError
 from dropmatch.heads import dropout
 from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
 from dropmatch.heads.dropout import DropoutHead
+from dropmatch.rules.dropmatch import DropMatch
+from dropmatch.sampling import SamplingConfig
 
 needs_fbgemm = pytest.mark.skipif(not byte_bags_supported(), reason="needs fbgemm's 8-bit embedding bags (x86)")
 
@@ -105,11 +107,9 @@ def test_the_package_default_takes_8bit_columns_unless_float32_is_asked_for(monk
 def test_greedy_js_criteria_on_a_rows_head_take_8bit_sparse_heads():
     """On the CPU default's rows head (large K p_drop), greedy JS criteria compute the heads of positions whose rows
     did not ride in the verification GEMM as sparse heads with 8-bit corrections while K p_drop <= 2, and take the
-    decisions of exact float32 rows; argmax votes and sampled steps keep the rows."""
+    decisions of exact float32 rows; sampled steps keep the rows (argmax votes: the next test)."""
     from dropmatch.heads.screened import ScreenedHead
     from dropmatch.rules import RelaxedVerification
-    from dropmatch.rules.dropmatch import DropMatch
-    from dropmatch.sampling import SamplingConfig
 
     from .test_sparse_heads import _with, random_case
 
@@ -124,7 +124,7 @@ def test_greedy_js_criteria_on_a_rows_head_take_8bit_sparse_heads():
         twin = rule.heads_for(greedy)
         assert twin.sparse and twin.sparse_dtype == BYTE_ROWWISE  # here no rows ride in a verification GEMM
         assert DropMatch(head, "js+majority", screened_clean_logits=False).heads_dtype(greedy) == BYTE_ROWWISE
-        assert rule.heads_for(sampled) is head and DropMatch(head, "naive").heads_for(greedy) is head
+        assert rule.heads_for(sampled) is head
         exact = DropMatch(DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.float32),
                           "js+majority")
         screened = ScreenedHead(weight, refine_margin=0.5)(inp.hidden)
@@ -135,3 +135,37 @@ def test_greedy_js_criteria_on_a_rows_head_take_8bit_sparse_heads():
     assert refined > 0
     wide = DropMatch(DropoutHead(weight, k=5, p_drop=0.5, compute_dtype=torch.bfloat16), "js")
     assert wide.heads_for(greedy) is wide.head  # K p_drop = 2.5: the bags would read more than the rows
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("criterion", ["naive", "majority"])
+def test_argmax_votes_on_float32_rows_take_8bit_sparse_heads_where_corrections_are_fast(monkeypatch, criterion):
+    """Where a rows head's rows are float32 (no native bfloat16) and the 8-bit corrections are fast (the native
+    kernel), greedy argmax votes take the sparse twin too, with the decisions of exact float32 rows; without fast
+    corrections, or on bfloat16 rows, they keep the rows."""
+    from dropmatch.rules import RelaxedVerification
+    from dropmatch.rules import dropmatch as rules
+
+    from .test_sparse_heads import _with, random_case
+
+    greedy = SamplingConfig()
+    twins = 0
+    for seed in range(16):
+        weight, inp = random_case(seed, greedy, vocab=400, d=32)
+        head = DropoutHead(weight, k=5, p_drop=0.3, compute_dtype=torch.bfloat16, rows_dtype=torch.float32)
+        if not head.exact_rows:
+            pytest.skip("the CPU default's rows head needs oneDNN")
+        monkeypatch.setattr(rules, "native_kernels_available", lambda: False)
+        assert DropMatch(head, criterion).heads_for(greedy) is head or head.corrections_by_gemm
+        bf16_rows = DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.bfloat16)
+        monkeypatch.setattr(rules, "native_kernels_available", lambda: True)
+        assert DropMatch(bf16_rows, criterion).heads_for(greedy) is bf16_rows  # they certify at a glance
+        rule = DropMatch(head, criterion)
+        twin = rule.heads_for(greedy)
+        assert twin.sparse and twin.sparse_dtype == BYTE_ROWWISE
+        exact = DropMatch(DropoutHead(weight, k=5, p_drop=0.3, exact_rows=True, rows_dtype=torch.float32), criterion)
+        verdict = RelaxedVerification(rule).verify(_with(inp, seed))
+        expected = RelaxedVerification(exact).verify(_with(inp, seed))
+        assert (verdict.n_accepted, verdict.extra_accepts) == (expected.n_accepted, expected.extra_accepts), seed
+        twins += rule._sparse_twin is not None  # built: some position's heads came from it
+    assert twins > 0

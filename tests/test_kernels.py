@@ -1,4 +1,5 @@
-"""The native head-statistics kernel against torch, its in-place subtraction, and its fallbacks."""
+"""The native kernels against torch (head statistics, with their in-place subtraction; the 8-bit column sums,
+against float64 and their error bound), and their fallbacks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import pytest
 import torch
 
 from dropmatch import kernels
-from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
+from dropmatch.heads.byte_columns import (
+    BYTE_ROWWISE,
+    byte_bags_supported,
+    byte_correction_bounds,
+    shared_byte_blocks,
+)
 from dropmatch.heads.dropout import DropoutHead
 
 BUILDS_HERE = sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("cc") is not None
@@ -79,6 +85,81 @@ def test_sparse_heads_come_with_their_statistics(native):
     assert ((stats.sums - sums).abs() / sums).max() < 1e-6
     rows = DropoutHead(weight, k=5, p_drop=0.06, exact_rows=True, rows_dtype=torch.float32)
     assert rows.summarized_logits(hidden, clean.unsqueeze(0), masks)[1] is None  # the rows path computes none
+
+
+def dequantized_sums(blocks, weights: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """sum_{j in D_k} w_j (scale q + offset)_j over every block, in float64: (K, n_blocks * width)."""
+    d, width = weights.numel(), blocks.width
+    rows = blocks.packed.view(-1, d, width + 8)  # (n_blocks, d, width + 8)
+    scale, offset = (rows[..., width + 4 * i : width + 4 * i + 4].contiguous().view(torch.float32).double()
+                     for i in (0, 1))
+    columns = rows[..., :width].double() * scale + offset  # (n_blocks, d, width)
+    coef = dropped.double() * weights.double()  # (K, d)
+    return torch.einsum("kd,bdw->kbw", coef, columns).reshape(dropped.shape[0], -1)
+
+
+@pytest.mark.skipif(not byte_bags_supported(), reason="8-bit columns need fbgemm")
+@pytest.mark.parametrize("k, p_drop, vocab, block", [(5, 0.032, 70001, 32768), (5, 0.3, 20000, 4096),
+                                                     (3, 0.9, 3000, 1000), (1, 0.5, 513, 512), (8, 0.3, 5000, 2048)])
+def test_column_sums_stay_within_the_bags_bound(native, k, p_drop, vocab, block):
+    """The grouped 8-bit column sums (a column that several heads drop read once) against their float64 value:
+    within the bound derived for fbgemm's bags, which the kernel's rounding must stay inside, at every token,
+    the zero-padded end of the last block included, and summing what fbgemm's bags sum."""
+    g = torch.Generator().manual_seed(k * vocab)
+    d = 48
+    weight = 0.05 * torch.randn(vocab, d, generator=g)
+    blocks = shared_byte_blocks(weight, block)
+    hidden = 30 * torch.randn(1, d, generator=g)
+    dropped = torch.rand(1, k, d, generator=g) < p_drop
+    dropped[0, 0, :3] = True  # head 0 drops a column no other head drops, and one all heads drop
+    dropped[:, :, 5] = True
+    weights = hidden[0] / (1.0 - p_drop)
+    sums = kernels.byte_column_sums(blocks.packed, blocks.width, weights, dropped[0])
+    # against the float32 weight's products (what the bound is for), and against the dequantized columns' (the
+    # rounding alone, which the bound's term for it must hold: 1.05 (|D| + 6) 2^-23 sum_j |w_j| magnitude_j)
+    products = (dropped[0].double() * weights.double()) @ weight.double().T  # (K, vocab)
+    bound = byte_correction_bounds(blocks, hidden, dropped)[0] / (1.0 - p_drop)  # (K,)
+    assert bool(((sums[:, :vocab].double() - products).abs().amax(-1) <= bound).all())
+    exact = dequantized_sums(blocks, weights, dropped[0])
+    rounding = 1.05 * (dropped[0].sum(-1) + 6) * 2.0**-23 * ((dropped[0] * weights.abs()) @ blocks.magnitude)
+    error = (sums.double() - exact).abs().amax(-1)
+    assert sums.shape == exact.shape and bool((error <= rounding).all()), (error, rounding)
+    assert float(exact.abs().amax()) > 1e4 * float(rounding.max())  # that term is not vacuous here
+    head = DropoutHead(weight, k=k, p_drop=p_drop, compute_dtype=torch.float32, sparse=True, sparse_dtype=BYTE_ROWWISE,
+                       vocab_block=block)
+    native_sums = head._bag_sums(hidden, dropped, BYTE_ROWWISE)
+    torch.testing.assert_close(native_sums[0], sums, rtol=0, atol=0)
+    with_bags = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(  # fbgemm's bags, one per head and block
+        blocks.packed, *bag_inputs(dropped[0], weights, blocks.packed.shape[0] // d), False, 0, False,
+        bag_weights(dropped[0], weights, blocks.packed.shape[0] // d), None, False)
+    assert bool(((with_bags.view(k, -1).double() - exact).abs().amax(-1) <= rounding).all())
+
+
+def bag_inputs(dropped: torch.Tensor, weights: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fbgemm's indices and offsets for one bag per head and block (head-major), as the rows of the blocked W^T."""
+    d = weights.numel()
+    indices, offsets = [], []
+    for head in dropped:
+        columns = head.nonzero().squeeze(-1)
+        for b in range(n_blocks):
+            offsets.append(sum(x.numel() for x in indices))
+            indices.append(b * d + columns)
+    return torch.cat(indices), torch.tensor(offsets)
+
+
+def bag_weights(dropped: torch.Tensor, weights: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    return torch.cat([weights[head] for head in dropped for _ in range(n_blocks)])
+
+
+def test_column_sums_refuse_what_they_do_not_take(native):
+    blocks = shared_byte_blocks(torch.randn(100, 8), 64)
+    dropped = torch.zeros(5, 8, dtype=torch.bool)
+    assert kernels.byte_column_sums(blocks.packed, blocks.width, torch.randn(8).double(), dropped) is None
+    assert kernels.byte_column_sums(blocks.packed, blocks.width, torch.randn(7), dropped[:, :7]) is None  # not a block
+    assert kernels.byte_column_sums(blocks.packed, blocks.width + 1, torch.randn(8), dropped) is None
+    assert kernels.byte_column_sums(blocks.packed, blocks.width, torch.randn(8), dropped.float()) is None
+    nothing = kernels.byte_column_sums(blocks.packed, blocks.width, torch.randn(8), dropped)  # no column dropped
+    assert nothing is not None and not bool(nothing.any())
 
 
 def test_what_it_does_not_take_goes_back_untouched(native):

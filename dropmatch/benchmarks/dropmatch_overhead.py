@@ -43,10 +43,11 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
+from .. import kernels
 from ..drafters import Draft, ModelDrafter
 from ..engine import generate, verify_step
 from ..heads.byte_columns import BYTE_ROWWISE
-from ..heads.dropout import DropoutHead
+from ..heads.dropout import DropoutHead, expected_union_fraction
 from ..methods import Decoder, MethodConfig, build_rule
 from ..models import ModelPair, load_pair
 from ..provenance import machine_line
@@ -170,13 +171,17 @@ def streaming_read_ms(tensor: torch.Tensor, repeats: int = 15) -> float:
 def read_floor(head: DropoutHead, rows_dtype: torch.dtype | None = None) -> tuple[float, float]:
     """(MB, ms): the bytes one position's K heads read on ``head``'s path and one streaming read of that
     many bytes. Rows read the whole weight in ``rows_dtype`` (default the head's); sparse heads ~K p_drop
-    d rows of W^T (each head's dropped columns, in expectation), or all of W in int8 where their corrections
+    d rows of W^T (each head's dropped columns, in expectation; their union, d (1 - (1 - p_drop)^K), where the
+    native 8-bit kernel runs), or all of W in int8 where their corrections
     are one int8 GEMM (:attr:`DropoutHead.corrections_by_gemm`); dense heads ride in the verification
     GEMM: (0, 0)."""
     if head.exact_rows:
         data = head.weight_in(rows_dtype or head.rows_dtype)
-    elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary
-        columns = max(1, round(head.k * head.p_drop * head.weight.shape[1]))
+    elif head.sparse:  # that many columns of W (rows of W^T) over the whole vocabulary: each head's, or their
+        # union where the native 8-bit kernel reads a column that several heads drop once
+        union = head.sparse_dtype == BYTE_ROWWISE and kernels.available()
+        share = expected_union_fraction(head.k, head.p_drop) if union else head.k * head.p_drop
+        columns = max(1, round(share * head.weight.shape[1]))
         if head.sparse_dtype == BYTE_ROWWISE:  # greedy corrections in 8 bits: all of W for the int8 GEMM, else
             # a column's rows of every block; as many bytes in float32 (an integer sum is no streaming read)
             if head.corrections_by_gemm:

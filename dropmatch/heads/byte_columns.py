@@ -22,6 +22,14 @@ reads (:func:`byte_correction_bounds` gives it without the 1 / (1 - p), in units
 other sparse bounds). On the embedded pair it is ~0.02-0.06 nats at p_drop = 0.032, about a fifth of the
 bfloat16 path's bound (whose output rounding and Cauchy-Schwarz terms dominate). The bound is against
 float32 products, the exact heads of a float32 head weight: ``DropoutHead`` takes 8-bit columns for those only.
+
+**Natively** (x86-64 Linux with a C compiler, :func:`~dropmatch.kernels.byte_column_sums`) one position's K heads
+are summed together: a column that several heads drop carries the same weight in each, so the dropped columns
+are grouped by the set of heads that drop them and each group's sum is added to its heads. The kernel's roundings
+(at most |D| + G + 3 of the same size, with G <= |D| groups holding the head) stay inside the bound above (tested
+against float64 sums), and a column is read once per position rather than once per head. Embedded pair, K = 5,
+one position, caches flushed, 2-core AVX2 EPYC: 14.8 against 23 ms for fbgemm's bags at p_drop 0.3 and 2.4
+against 3.0 ms at 0.032 (fbgemm's bags on that CPU run at ~5.5 G products a second, out of cache).
 """
 
 from __future__ import annotations

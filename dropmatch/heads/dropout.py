@@ -415,11 +415,19 @@ class DropoutHead:
     def _bag_sums(self, hidden: torch.Tensor, dropped: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The CPU sparse path's corrections ``W[:, D_i] h_{D_i} / (1 - p)`` (n, K, n_blocks * width), float32
         (``dtype``'s for bfloat16 columns): embedding bags over the rows of the blocked W^T, one bag per head and
-        vocabulary block, laid out as the logits (the vocabulary zero-padded to whole blocks)."""
+        vocabulary block, laid out as the logits (the vocabulary zero-padded to whole blocks). 8-bit columns go
+        through the native :func:`~dropmatch.kernels.byte_column_sums` where it runs (each position's heads
+        together, a column read once), else fbgemm's bags; both within
+        :func:`~dropmatch.heads.byte_columns.byte_correction_bounds`."""
         n, k, d = dropped.shape
         if dtype == BYTE_ROWWISE:
             blocks = self.byte_blocks()
             n_blocks, width = blocks.packed.shape[0] // d, blocks.width
+            # natively, each position's heads at once (a column several heads drop is read once; bounded as the bags)
+            weights = hidden.float() / (1.0 - self.p_drop)  # (n, d)
+            sums = [kernels.byte_column_sums(blocks.packed, width, weights[i], dropped[i]) for i in range(n)]
+            if all(s is not None for s in sums):
+                return torch.stack(sums) if n > 1 else sums[0].unsqueeze(0)
         else:
             blocks = self.blocks_in(dtype)
             n_blocks, width = blocks.shape[0] // d, blocks.shape[1]

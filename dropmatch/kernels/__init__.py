@@ -1,11 +1,11 @@
 """Native CPU kernels: small C sources built on first use with the system C compiler, loaded with ctypes.
 
-They are optional. :func:`head_statistics` returns ``None`` where this is not x86-64 Linux with a C
-compiler and glibc's vector math library, where ``DROPMATCH_NATIVE=0``, or for tensors it does not take;
-callers then keep their torch path, which computes the same quantities.
+They are optional. :func:`head_statistics` and :func:`byte_column_sums` return ``None`` where this is not
+x86-64 Linux with a C compiler and glibc's vector math library, where ``DROPMATCH_NATIVE=0``, or for tensors
+they do not take; callers then keep their torch path, which computes the same quantities.
 
-Build: ``$CC`` (default ``cc``) with ``-march=native`` into ``$DROPMATCH_CACHE/kernels/``, named by a hash of
-the source, the flags, the compiler and the CPU's feature flags (a cache shared by different machines never
+Build: every ``*.c`` here, into one library, with ``$CC`` (default ``cc``) and ``-march=native``, in
+``$DROPMATCH_CACHE/kernels/``, named by a hash of the sources, the flags, the compiler and the CPU's feature flags (a cache shared by different machines never
 loads another CPU's build). With no ``-ffast-math``, loading does not change the process's floating-point
 mode. The OpenMP pragmas run on the runtime torch itself runs on (its ``libgomp.so.1``, already loaded), so
 the kernels add no second thread pool; on a torch without OpenMP they are built single-threaded.
@@ -31,7 +31,7 @@ from ..paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("head_statistics.c")
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")
 
@@ -50,11 +50,11 @@ def _flags() -> tuple[str, ...]:
 
 
 def _build(target: Path, compiler: str, flags: tuple[str, ...]) -> None:
-    """Compile :data:`SOURCE` to ``target`` (atomically: another process may build the same one)."""
+    """Compile :data:`SOURCES` to ``target`` (atomically: another process may build the same one)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), *LIBRARIES], check=True,
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), *LIBRARIES], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(built, target)
 
@@ -65,8 +65,9 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("DROPMATCH_NATIVE", "1") == "0" or sys.platform != "linux" or platform.machine() != "x86_64":
         return None
     compiler, flags = os.environ.get("CC", "cc"), _flags()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, *LIBRARIES, _cpu_flags()]).encode())
-    target = cache_root() / "kernels" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, compiler, *flags, *LIBRARIES, _cpu_flags()]).encode())
+    target = cache_root() / "kernels" / f"kernels-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
             _build(target, compiler, flags)
@@ -79,6 +80,9 @@ def _library() -> ctypes.CDLL | None:
     library.head_statistics.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer, pointer, pointer,
                                         pointer]
     library.head_statistics.restype = ctypes.c_int
+    library.byte_column_sums.argtypes = [pointer, size, size, size, pointer, pointer, pointer, pointer, size, size,
+                                         pointer]
+    library.byte_column_sums.restype = ctypes.c_int
     return library
 
 
@@ -135,3 +139,43 @@ def head_statistics(logits: torch.Tensor, draft: torch.Tensor | None = None, cle
                                      None if draft is None else draft.data_ptr(), centroid.data_ptr(),
                                      head_max.data_ptr(), sums.data_ptr())
     return HeadStatistics(centroid, head_max, sums if draft is not None else sums[:-1]) if status == 0 else None
+
+
+def byte_column_sums(packed: torch.Tensor, width: int, weights: torch.Tensor, dropped: torch.Tensor
+                     ) -> torch.Tensor | None:
+    """The 8-bit corrections of one position's K heads, sum_{j in D_k} w_j W[:, j] (see ``byte_columns.c``: a
+    column that several heads drop is read and multiplied once).
+
+    Args:
+        packed: (n_blocks * d, width + 8) uint8, W^T in vocabulary blocks in fbgemm's 8-bit row-wise format
+            (:class:`~dropmatch.heads.byte_columns.ByteBlocks`).
+        width: vocabulary entries per block.
+        weights: (d,) float32, the columns' weights w.
+        dropped: (K, d) bool, the heads' dropped columns D_k (K <= 62).
+
+    Returns:
+        (K, n_blocks * width) float32, each row within the bound of
+        :func:`~dropmatch.heads.byte_columns.byte_correction_bounds`; ``None`` where the kernels do not run here or
+        do not take these tensors.
+    """
+    k, d = dropped.shape if dropped.dim() == 2 else (0, 0)
+    if not (0 < k <= 62 and d and dropped.dtype == torch.bool and dropped.device.type == "cpu"
+            and packed.dim() == 2 and packed.dtype == torch.uint8 and packed.device.type == "cpu"
+            and packed.shape[0] % d == 0 and packed.shape[1] == width + 8 and _cpu_float32(weights, (d,))):
+        return None
+    library = _library()
+    if library is None:
+        return None
+    # group the dropped columns by the set of heads that drop them (a bit a head), ascending within a group
+    code = (dropped.long() << torch.arange(k).unsqueeze(1)).sum(0)  # (d,)
+    union = code.nonzero().squeeze(-1)
+    columns = union[torch.argsort(code[union] * d + union)]
+    patterns, counts = torch.unique_consecutive(code[columns], return_counts=True)
+    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    member = ((patterns.unsqueeze(1) >> torch.arange(k)) & 1).to(torch.uint8)  # (groups, K)
+    packed, weights = packed.contiguous(), weights.contiguous()
+    n_blocks = packed.shape[0] // d
+    out = torch.empty(k, n_blocks * width)
+    status = library.byte_column_sums(packed.data_ptr(), d, width, n_blocks, weights.data_ptr(), columns.data_ptr(),
+                                      starts.data_ptr(), member.data_ptr(), patterns.numel(), k, out.data_ptr())
+    return out if status == 0 else None
