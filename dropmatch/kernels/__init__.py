@@ -5,8 +5,8 @@ x86-64 Linux with a C compiler and glibc's vector math library, where ``DROPMATC
 they do not take; callers then keep their torch path, which computes the same quantities.
 
 Build: every ``*.c`` here, into one library, with ``$CC`` (default ``cc``) and ``-march=native``, in
-``$DROPMATCH_CACHE/kernels/``, named by a hash of the sources, the flags, the compiler and the CPU's feature flags (a cache shared by different machines never
-loads another CPU's build). With no ``-ffast-math``, loading does not change the process's floating-point
+``$DROPMATCH_CACHE/kernels/``, named by a hash of the sources, the flags, the compiler and the CPU's feature
+flags (a cache shared by different machines never loads another CPU's build). With no ``-ffast-math``, loading does not change the process's floating-point
 mode. The OpenMP pragmas run on the runtime torch itself runs on (its ``libgomp.so.1``, already loaded), so
 the kernels add no second thread pool; on a torch without OpenMP they are built single-threaded.
 """
@@ -168,8 +168,8 @@ def byte_column_sums(packed: torch.Tensor, width: int, weights: torch.Tensor, dr
         return None
     # group the dropped columns by the set of heads that drop them (a bit a head), ascending within a group
     code = (dropped.long() << torch.arange(k).unsqueeze(1)).sum(0)  # (d,)
-    union = code.nonzero().squeeze(-1)
-    columns = union[torch.argsort(code[union] * d + union)]
+    union = code.nonzero().squeeze(-1)  # ascending, and kept so within a group by the stable sort
+    columns = union[torch.sort(code[union], stable=True).indices]
     patterns, counts = torch.unique_consecutive(code[columns], return_counts=True)
     starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     member = ((patterns.unsqueeze(1) >> torch.arange(k)) & 1).to(torch.uint8)  # (groups, K)
