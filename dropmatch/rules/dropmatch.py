@@ -661,8 +661,8 @@ class DropMatch:
         and so do argmax votes where the rows are float32 (no native bfloat16) and the corrections are fast: the
         native :func:`~dropmatch.kernels.byte_column_sums` or one int8 GEMM (embedded pair, p_drop 0.3, K = 5,
         2-core AVX2 EPYC, `make bench-dropmatch`: naive's head + rule 19.9 against 39.8 ms a position on
-        float32 rows). Its decisions are certified as any sparse head's, and recomputed on the rows head's exact rows where
-        not."""
+        float32 rows). Its decisions are certified as any sparse head's, and recomputed on the rows head's exact
+        rows where not."""
         head = self.head
         if not self._takes_sparse_twin(sampling):
             return head
