@@ -420,12 +420,13 @@ class DropoutHead:
         together, a column read once), else fbgemm's bags; both within
         :func:`~dropmatch.heads.byte_columns.byte_correction_bounds`."""
         n, k, d = dropped.shape
+        # the 1 / (1 - p) rides in the columns' weights, so the heads are one subtraction from the scaled clean logits
+        column_weights = hidden.float() / (1.0 - self.p_drop)  # (n, d)
         if dtype == BYTE_ROWWISE:
             blocks = self.byte_blocks()
             n_blocks, width = blocks.packed.shape[0] // d, blocks.width
             # natively, each position's heads at once (a column several heads drop is read once; bounded as the bags)
-            weights = hidden.float() / (1.0 - self.p_drop)  # (n, d)
-            sums = [kernels.byte_column_sums(blocks.packed, width, weights[i], dropped[i]) for i in range(n)]
+            sums = [kernels.byte_column_sums(blocks.packed, width, column_weights[i], dropped[i]) for i in range(n)]
             if all(s is not None for s in sums):
                 return torch.stack(sums) if n > 1 else sums[0].unsqueeze(0)
         else:
@@ -442,8 +443,7 @@ class DropoutHead:
         place = ((starts[bag] * n_blocks + rank) + block * sizes[bag]).reshape(-1)
         indices = torch.empty_like(place).index_copy_(0, place, (block * d + column).reshape(-1))
         offsets = (starts.unsqueeze(1) * n_blocks + block.T * sizes.unsqueeze(1)).reshape(-1)
-        # the 1 / (1 - p) rides in the weights, so the heads are one subtraction from the scaled clean logits
-        weights = hidden.float()[bag // k, column] / (1.0 - self.p_drop)
+        weights = column_weights[bag // k, column]
         weights = weights.new_empty(place.numel()).index_copy_(0, place, weights.repeat(n_blocks))
         if dtype == BYTE_ROWWISE:
             sums = byte_bag_sums(blocks, indices, offsets, weights)  # (n K n_blocks, width) float32
