@@ -1,16 +1,21 @@
-"""float32 linear layers through oneDNN with prepacked weights, for the few-row GEMMs of decoding on CPUs.
+"""float32 linear layers for the few-row GEMMs of decoding on CPUs: oneDNN with prepacked weights, or a native
+kernel that streams the weight in its own layout.
 
 A verify step runs the trunk on L + 1 = 6 rows. torch's float32 ``F.linear`` (MKL) handles so few rows
 poorly: on the embedded Gemma-3-270M (2 cores) the trunk takes ~100 ms on 6 rows against ~50 ms on 1,
 although both read the same 400 MB of weights. oneDNN with a weight reordered once for its kernels
 (``torch.ops.mkldnn._reorder_linear_weight``, as torch's inductor uses it) runs the 6 rows in ~40 ms.
-Results are float32 GEMMs in another summation order (differences ~1e-7 relative), like any change of
-BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized inputs (many rows) keep
-``F.linear``, which is efficient there; so do autograd and non-CPU weights. bfloat16 weights take the same
-path where the CPU runs bfloat16 natively (:func:`bf16_matmul_supported`; e.g. an EAGLE-3 head drafting in
-bfloat16), else ``F.linear``. Each packed layer holds a reordered copy of its weight (the trunk's memory
-twice over), reordered again when the weight changes (:func:`weight_stamp`): a checkpoint loaded into the
-module, an optimizer step, a swapped ``.data`` or an assigned Parameter never leaves a stale copy behind.
+On CPUs without AVX-512, oneDNN's float32 kernels still do not overlap the weight's loads with the
+arithmetic; there calls of up to :data:`NATIVE_MAX_ROWS` float32 rows take ``dropmatch/kernels/few_rows.c``
+(:func:`native_few_rows_preferred`), which prefetches the weight ahead and computes each output row the same
+way whatever the rows beside it. Results are float32 GEMMs in another summation order (differences ~1e-7
+relative), like any change of BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized
+inputs (many rows) keep ``F.linear``, which is efficient there; so do autograd and non-CPU weights. bfloat16
+weights take oneDNN where the CPU runs bfloat16 natively (:func:`bf16_matmul_supported`; e.g. an EAGLE-3 head
+drafting in bfloat16), else ``F.linear``. Each layer that oneDNN serves holds a reordered copy of its weight
+(the trunk's memory twice over), reordered again when the weight changes (:func:`weight_stamp`): a checkpoint
+loaded into the module, an optimizer step, a swapped ``.data`` or an assigned Parameter never leaves a stale
+copy behind. The native kernel reads the weight itself and keeps no copy.
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+
 MAX_ROWS = 64  # inputs with more rows (prefill) use F.linear
+NATIVE_MAX_ROWS = 16  # float32 inputs of at most this many rows take the native kernel where it is preferred.
+# AVX2 EPYC (2 cores, 2026-12-07), medians of 9 interleaved, ms, oneDNN against native: the trunk's 126 linears
+# 30 / 21 (1 row), 46 / 32 (9), 62 / 53 (16), 102 / 127 (45); the 262k x 640 head 33 / 31, 55 / 50, 76 / 79,
+# 167 / 199
 
 
 @functools.cache  # a property of the CPU and the torch build: asked on every few-row call
@@ -35,6 +46,14 @@ def bf16_matmul_supported() -> bool:
         return onednn and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.cache
+def native_few_rows_preferred() -> bool:
+    """Whether float32 few-row GEMMs take the native kernel (:func:`dropmatch.kernels.few_row_linear`) rather than
+    oneDNN: where the kernels run and the CPU lacks AVX-512 (torch's CPU capability is AVX2). CPUs with
+    AVX-512 keep oneDNN's 512-bit kernels, which the native one (256-bit vectors) was not measured against."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and kernels.available()
 
 
 @functools.cache
@@ -85,9 +104,10 @@ def few_row_weight(weight: torch.Tensor) -> bool:
 
 
 class FewRowLinear:
-    """``x @ weight.T (+ bias)``: oneDNN with the weight reordered once (at the first call that uses it,
-    and again after the weight changes: :func:`weight_stamp`)
-    on inputs of at most :data:`MAX_ROWS` rows without autograd, ``F.linear`` otherwise.
+    """``x @ weight.T (+ bias)`` on inputs of at most :data:`MAX_ROWS` rows without autograd: float32 inputs of
+    at most :data:`NATIVE_MAX_ROWS` rows through the native kernel where :func:`native_few_rows_preferred`,
+    else oneDNN with the weight reordered once (at the first call that uses it, and again after the weight
+    changes: :func:`weight_stamp`); ``F.linear`` otherwise.
 
     Args:
         weight: (out, in) CPU weight, float32 or (where the CPU has native bfloat16 GEMMs) bfloat16; any
@@ -123,8 +143,19 @@ class FewRowLinear:
         self.prepack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def native(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The native kernel's product, for an input :meth:`applies` accepts, where it takes it: float32 and at
+        most :data:`NATIVE_MAX_ROWS` rows, on a CPU where :func:`native_few_rows_preferred`; else ``None``."""
+        if x.dtype != torch.float32 or x.numel() > NATIVE_MAX_ROWS * x.shape[-1] or not native_few_rows_preferred():
+            return None
+        out = kernels.few_row_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        return None if out is None else out.view(*x.shape[:-1], -1)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.onednn(x) if self.applies(x) else F.linear(x, self.weight, self.bias)
+        if not self.applies(x):
+            return F.linear(x, self.weight, self.bias)
+        out = self.native(x)
+        return self.onednn(x) if out is None else out
 
 
 def memory_key(weight: torch.Tensor) -> tuple:
@@ -170,8 +201,7 @@ class PackedForward:
         return None if self._kernel is None else self._kernel.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel
-        return kernel.onednn(x) if kernel.applies(x) else F.linear(x, self.linear.weight, self.linear.bias)
+        return self.kernel(x)
 
     def __deepcopy__(self, memo: dict) -> PackedForward:
         """A copied module (e.g. the int8 draft's source) gets its own forward, packed from its own weight."""

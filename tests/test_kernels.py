@@ -155,6 +155,40 @@ def test_what_it_does_not_take_goes_back_untouched(native):
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("k", [640, 21, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_row_linear_is_within_its_bound_and_each_row_its_own(native, k, bias):
+    """Against float64 products: within (ceil(k / 8) + 3 + k % 8 + 1) roundings of sum_j |x_j w_j| (and the
+    bias's); and any rows together give, bit for bit, what each gives alone (a verify step's rows are the
+    decode step's), for row counts across the kernel's passes (6 rows a pass) and weights of any row count."""
+    g = torch.Generator().manual_seed(k)
+    wide = torch.randn(37, k + 3, generator=g)
+    for weight in (torch.randn(1003, k, generator=g), wide[:, :k]):  # the second with a row stride above k
+        b = torch.randn(weight.shape[0], generator=g) if bias else None
+        x = torch.randn(20, k, generator=g)
+        out = kernels.few_row_linear(x, weight, b)
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+        terms = x.double().abs() @ weight.double().abs().T
+        roundings = -(-k // 8) + 3 + k % 8 + 1
+        bound = 1.01 * roundings * 2.0**-24 * (terms + (0 if b is None else b.double().abs())) + 2.0**-24 * exact.abs()
+        assert bool(((out.double() - exact).abs() <= bound).all())
+        assert float(bound.max()) < 1e-3 * float(exact.abs().max())  # not vacuous
+        for rows in (1, 2, 5, 6, 7, 9, 13):
+            assert torch.equal(kernels.few_row_linear(x[:rows], weight, b), out[:rows])
+            assert torch.equal(kernels.few_row_linear(x[rows - 1 : rows + 3], weight, b), out[rows - 1 : rows + 3])
+
+
+def test_few_row_linear_refuses_what_it_does_not_take(native):
+    x, weight = torch.randn(3, 16), torch.randn(10, 16)
+    assert kernels.few_row_linear(x, weight) is not None
+    assert kernels.few_row_linear(x.double(), weight) is None
+    assert kernels.few_row_linear(x, weight.T.contiguous().T) is None  # columns contiguous, not rows
+    assert kernels.few_row_linear(x, weight[:, :15]) is None  # k differs
+    assert kernels.few_row_linear(x, weight, torch.randn(9)) is None
+    assert kernels.few_row_linear(x.unsqueeze(0), weight) is None
+    assert kernels.few_row_linear(x[:0], weight) is None
+
+
 def test_loading_leaves_the_floating_point_mode_alone(native):
     """No -ffast-math: loading the library must not flush subnormal floats to zero for the whole process."""
     tiny = torch.tensor([1e-38])

@@ -1,4 +1,5 @@
-"""oneDNN few-row linears: the values of F.linear, only where they apply, and copies of their own."""
+"""Few-row linears (oneDNN, or the native kernel where preferred): the values of F.linear, only where they apply,
+and copies of their own."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dropmatch import kernels, onednn_linear
 from dropmatch.onednn_linear import (
     MAX_ROWS,
+    NATIVE_MAX_ROWS,
+    FewRowLinear,
     PackedForward,
     WeightWatch,
     bf16_matmul_supported,
@@ -24,6 +28,8 @@ pytestmark = pytest.mark.skipif(not onednn_linear_supported(), reason="this torc
 
 
 def _calls(monkeypatch) -> list[int]:
+    """The rows of each oneDNN call from here on (the native kernel is kept out: these tests are oneDNN's)."""
+    monkeypatch.setattr(onednn_linear, "native_few_rows_preferred", lambda: False)
     seen: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -148,6 +154,29 @@ def test_a_shared_kernel_repacks_a_weight_changed_in_place():
         kernel(x)
         weight.mul_(-2)  # through the base tensor: the view's version moves with it
         torch.testing.assert_close(kernel(x), x @ weight[:200].T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_where_preferred_float32_few_rows_take_the_native_kernel_without_a_reordered_copy(bias, monkeypatch):
+    """Up to NATIVE_MAX_ROWS float32 rows: the native kernel's values (F.linear's, to float32 rounding) and no
+    reordered copy of the weight; more rows: oneDNN, which reorders it then."""
+    if not kernels.available():
+        pytest.skip("the native kernels do not build here")
+    monkeypatch.setattr(onednn_linear, "native_few_rows_preferred", lambda: True)
+    g = torch.Generator().manual_seed(1)
+    weight, b = torch.randn(300, 72, generator=g), torch.randn(300, generator=g) if bias else None
+    layer = FewRowLinear(weight, b)
+    with torch.inference_mode():
+        for rows in (1, 9, NATIVE_MAX_ROWS):
+            x = torch.randn(2, rows, 72, generator=g)[1]  # a view into a larger tensor
+            out = layer(x)
+            assert torch.equal(out, kernels.few_row_linear(x, weight, b)) and layer.packed is None
+            torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        seen = _calls(monkeypatch)
+        monkeypatch.setattr(onednn_linear, "native_few_rows_preferred", lambda: True)
+        x = torch.randn(NATIVE_MAX_ROWS + 1, 72, generator=g)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        assert seen == [NATIVE_MAX_ROWS + 1] and layer.packed is not None
 
 
 def test_weight_watch_sees_another_tensor_over_the_same_memory_and_in_place_writes():

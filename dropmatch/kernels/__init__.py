@@ -1,6 +1,6 @@
 """Native CPU kernels: small C sources built on first use with the system C compiler, loaded with ctypes.
 
-They are optional. :func:`head_statistics` and :func:`byte_column_sums` return ``None`` where this is not
+They are optional. :func:`head_statistics`, :func:`byte_column_sums` and :func:`few_row_linear` return ``None`` where this is not
 x86-64 Linux with a C compiler and glibc's vector math library, where ``DROPMATCH_NATIVE=0``, or for tensors
 they do not take; callers then keep their torch path, which computes the same quantities.
 
@@ -83,6 +83,8 @@ def _library() -> ctypes.CDLL | None:
     library.byte_column_sums.argtypes = [pointer, size, size, size, pointer, pointer, pointer, pointer, size, size,
                                          pointer]
     library.byte_column_sums.restype = ctypes.c_int
+    library.few_row_linear.argtypes = [pointer, size, size, size, pointer, size, size, pointer, pointer, size]
+    library.few_row_linear.restype = None
     return library
 
 
@@ -179,3 +181,33 @@ def byte_column_sums(packed: torch.Tensor, width: int, weights: torch.Tensor, dr
     status = library.byte_column_sums(packed.data_ptr(), d, width, n_blocks, weights.data_ptr(), columns.data_ptr(),
                                       starts.data_ptr(), member.data_ptr(), patterns.numel(), k, out.data_ptr())
     return out if status == 0 else None
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ weight.T (+ bias)`` in float32 for a few rows, streaming ``weight`` in its own layout (see
+    ``few_rows.c``). Each output row is computed the same way whatever the other rows, so a row's result does
+    not depend on how many rows come with it; its error is at most ~(k / 8 + 5) 2^-24 sum_j |x_j w_j|.
+
+    Args:
+        x: (m, k) float32 on the CPU.
+        weight: (n, k) float32 on the CPU, rows contiguous (a row stride of at least k).
+        bias: (n,) float32, or ``None``.
+
+    Returns:
+        (m, n) float32; ``None`` where the kernels do not run here or do not take these tensors.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or weight.stride(-1) != 1 or weight.stride(0) < weight.shape[1]:
+        return None
+    (m, k), n = x.shape, weight.shape[0]
+    if not (m and n and k and weight.shape[1] == k and _cpu_float32(x, (m, k))
+            and _cpu_float32(weight, (n, k)) and _cpu_float32(bias, (n,))):
+        return None
+    library = _library()
+    if library is None:
+        return None
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(m, n)
+    library.few_row_linear(x.data_ptr(), m, k, k, weight.data_ptr(), n, weight.stride(0),
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    return out

@@ -1,0 +1,117 @@
+/* y = x W^T (+ bias) in float32 for a few rows x (decode and verify steps), W (n, k) read in its own row-major
+ * layout (no reordered copy). Built and loaded by dropmatch/kernels/__init__.py; used by
+ * dropmatch/onednn_linear.py where oneDNN's float32 few-row GEMMs fall short (CPUs without AVX-512).
+ *
+ * A step reads every weight once from memory and does little arithmetic with it (2 m flops a weight for m
+ * rows), so the kernel streams W: each thread walks its share of W's rows in order, software-prefetching a
+ * few rows ahead so that the loads overlap the arithmetic, and multiplies each loaded W vector with every row
+ * of x (held in L1) before the next load.
+ *
+ * Arithmetic, the same for every entry whatever m, the blocking or the thread: y[i][v] is 8 partial sums,
+ * lane l over k = l, l + 8, ... in order by fma; then ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)); then
+ * the k % 8 last terms by fma in order; then + bias[v]. So a row's output does not depend on the rows beside it
+ * (a verify step's rows equal the same rows decoded one at a time, bit for bit), and its error is at most
+ * (ceil(k / 8) + 3 + k % 8 + 1) 2^-24 sum_j |x_j w_j| (+ the bias's rounding) to first order.
+ */
+#include <math.h>
+#include <string.h>
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
+
+typedef float v8 __attribute__((vector_size(32)));
+
+#define MAX_ROWS 6 /* rows of x a pass holds (12, 6, 4 on the AVX2 EPYC: 6 as fast at 9 rows, faster at 16) */
+#define CHUNK 16    /* W rows a thread takes at a time (every pass over x re-reads them from cache) */
+#define AHEAD 4     /* W rows prefetched ahead of the one being read */
+
+static inline v8 load8(const float *p)
+{
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8 fma8(v8 a, v8 b, v8 c)
+{
+#ifdef __FMA__
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    v8 r;
+    for (int l = 0; l < 8; l++)
+        r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
+}
+
+static inline float lanes_sum(v8 s)
+{
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+/* nb consecutive W rows times mb rows of x (nb * mb accumulators and nb W vectors in registers). */
+static inline __attribute__((always_inline)) void block(const float *restrict x, long ldx, const float *restrict w,
+                                                        long ldw, long k, const float *restrict bias,
+                                                        float *restrict y, long ldy, const int nb, const int mb)
+{
+    v8 acc[4][MAX_ROWS];
+    long k8 = k & ~7L;
+    for (int r = 0; r < nb; r++)
+        for (int i = 0; i < mb; i++)
+            acc[r][i] = (v8){0};
+    for (long t = 0; t < k8; t += 8) {
+        if (!(t & 15)) /* a cache line of each of the W rows AHEAD rows on (or the next block's) */
+            for (int r = 0; r < nb; r++)
+                __builtin_prefetch(w + ((AHEAD > nb ? AHEAD : nb) + r) * ldw + t);
+        v8 wv[4];
+        for (int r = 0; r < nb; r++)
+            wv[r] = load8(w + r * ldw + t);
+        for (int i = 0; i < mb; i++) {
+            v8 xv = load8(x + i * ldx + t);
+            for (int r = 0; r < nb; r++)
+                acc[r][i] = fma8(wv[r], xv, acc[r][i]);
+        }
+    }
+    for (int r = 0; r < nb; r++)
+        for (int i = 0; i < mb; i++) {
+            float s = lanes_sum(acc[r][i]);
+            for (long t = k8; t < k; t++)
+                s = fmaf(x[i * ldx + t], w[r * ldw + t], s);
+            y[i * ldy + r] = bias ? s + bias[r] : s;
+        }
+}
+
+/* W rows [0, n) times mb (<= MAX_ROWS) rows of x: four W rows at a time for up to 3 rows of x, else two (at most
+ * 14 of the 16 vector registers in block). */
+static void pass(const float *x, long ldx, const float *w, long n, long ldw, long k, const float *bias, float *y,
+                 long ldy, long mb)
+{
+    switch (mb) {
+#define PASS(rows, nb)                                                                                         \
+    case rows: {                                                                                               \
+        long v = 0;                                                                                            \
+        for (; v + nb <= n; v += nb)                                                                           \
+            block(x, ldx, w + v * ldw, ldw, k, bias ? bias + v : 0, y + v, ldy, nb, rows);                     \
+        for (; v < n; v++)                                                                                     \
+            block(x, ldx, w + v * ldw, ldw, k, bias ? bias + v : 0, y + v, ldy, 1, rows);                      \
+        break;                                                                                                 \
+    }
+        PASS(1, 4) PASS(2, 4) PASS(3, 4) PASS(4, 2) PASS(5, 2) PASS(6, 2)
+#undef PASS
+    }
+}
+
+/* x: m rows of k floats, row stride ldx; w: n rows of k floats, row stride ldw; bias: n floats or NULL;
+ * y: m rows of n floats, row stride ldy. */
+void few_row_linear(const float *x, long m, long k, long ldx, const float *w, long n, long ldw, const float *bias,
+                    float *y, long ldy)
+{
+    long chunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static)
+    for (long c = 0; c < chunks; c++) {
+        long v = c * CHUNK, count = n - v < CHUNK ? n - v : CHUNK;
+        for (long i = 0; i < m; i += MAX_ROWS)
+            pass(x + i * ldx, ldx, w + v * ldw, count, ldw, k, bias ? bias + v : 0, y + i * ldy + v, ldy,
+                 m - i < MAX_ROWS ? m - i : MAX_ROWS);
+    }
+}
