@@ -5,10 +5,10 @@ A verify step runs the trunk on L + 1 = 6 rows. torch's float32 ``F.linear`` (MK
 poorly: on the embedded Gemma-3-270M (2 cores) the trunk takes ~100 ms on 6 rows against ~50 ms on 1,
 although both read the same 400 MB of weights. oneDNN with a weight reordered once for its kernels
 (``torch.ops.mkldnn._reorder_linear_weight``, as torch's inductor uses it) runs the 6 rows in ~40 ms.
-On CPUs without AVX-512, oneDNN's float32 kernels still do not overlap the weight's loads with the
-arithmetic; there calls of up to :data:`NATIVE_MAX_ROWS` float32 rows take ``dropmatch/kernels/few_rows.c``
-(:func:`native_few_rows_preferred`), which prefetches the weight ahead and computes each output row the same
-way whatever the rows beside it. Results are float32 GEMMs in another summation order (differences ~1e-7
+On CPUs without AVX-512 (measured on an AVX2 EPYC: :data:`NATIVE_MAX_ROWS`), calls of up to
+:data:`NATIVE_MAX_ROWS` float32 rows take ``dropmatch/kernels/few_rows.c`` instead
+(:func:`native_few_rows_preferred`), faster there: it streams the weight in its own layout, prefetching ahead,
+and computes each output row the same way whatever the rows beside it. Results are float32 GEMMs in another summation order (differences ~1e-7
 relative), like any change of BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized
 inputs (many rows) keep ``F.linear``, which is efficient there; so do autograd and non-CPU weights. bfloat16
 weights take oneDNN where the CPU runs bfloat16 natively (:func:`bf16_matmul_supported`; e.g. an EAGLE-3 head

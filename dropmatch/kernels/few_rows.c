@@ -5,7 +5,7 @@
  * A step reads every weight once from memory and does little arithmetic with it (2 m flops a weight for m
  * rows), so the kernel streams W: each thread walks its share of W's rows in order, software-prefetching a
  * few rows ahead so that the loads overlap the arithmetic, and multiplies each loaded W vector with every row
- * of x (held in L1) before the next load.
+ * of x (held in cache) before the next load.
  *
  * Arithmetic, the same for every entry whatever m, the blocking or the thread: y[i][v] is 8 partial sums,
  * lane l over k = l, l + 8, ... in order by fma; then ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)); then
@@ -21,7 +21,7 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 
-#define MAX_ROWS 6 /* rows of x a pass holds (12, 6, 4 on the AVX2 EPYC: 6 as fast at 9 rows, faster at 16) */
+#define MAX_ROWS 6 /* rows of x a pass holds (AVX2 EPYC: 12 no faster at 9 rows, slower at 16) */
 #define CHUNK 16    /* W rows a thread takes at a time (every pass over x re-reads them from cache) */
 #define AHEAD 4     /* W rows prefetched ahead of the one being read */
 
