@@ -31,6 +31,7 @@ from .onednn_linear import (
     FewRowLinear,
     WeightWatch,
     bf16_matmul_supported,
+    native_few_rows_preferred,
     pack_linears,
     shared_few_row_linear,
 )
@@ -137,11 +138,14 @@ class CausalLM:
     def prepare(self) -> None:
         """Build what the first verify step would build lazily (the screened bfloat16 head, its weight
         copy and its oneDNN reorder, the oneDNN-reordered float32 head), so that no timed generation pays
-        for it. Idempotent."""
+        for it. Where the native few-row kernel serves float32 heads of up to 16 rows
+        (:func:`~dropmatch.onednn_linear.native_few_rows_preferred`), the float32 head is not reordered: a
+        decode or verify step never reads that copy (671 MB on the embedded pair); a call of more rows builds
+        it then. Idempotent."""
         screened = self._screened_head(1, exact=False)
         if screened is not None:
             screened.kernel.prepack()
-        if self.exact_head_kernel is not None:
+        if self.exact_head_kernel is not None and not native_few_rows_preferred():
             self.exact_head_kernel.prepack()
 
     def _head_copies(self) -> None:
@@ -158,8 +162,9 @@ class CausalLM:
 
     @property
     def exact_head_kernel(self) -> FewRowLinear | None:
-        """oneDNN's few-row float32 GEMM over the head weight (shared with the dropout heads, see
-        :func:`~dropmatch.onednn_linear.shared_few_row_linear`), where it runs: float32 CPU head
+        """The few-row float32 GEMM over the head weight (oneDNN, or the native kernel where preferred;
+        shared with the dropout heads, see :func:`~dropmatch.onednn_linear.shared_few_row_linear`), where it
+        runs: float32 CPU head
         without bias; else ``None`` (``lm_head`` computes the head)."""
         weight = self.lm_head.weight
         if (callable(weight) or getattr(self.lm_head, "bias", None) is not None
@@ -255,7 +260,8 @@ class CausalLM:
         argmax, float32 values on the likely tokens, bfloat16 accuracy on the rest (on the embedded pair
         16 ms for a verify step's 6 rows against 25 ms by oneDNN in float32, see
         :data:`SCREEN_MAX_ROWS_WITH_ONEDNN`). Every other head is float32, through
-        :attr:`exact_head_kernel` where it runs (oneDNN; ~150 ms for 6 rows by MKL's ``F.linear``).
+        :attr:`exact_head_kernel` where it runs (oneDNN or the native few-row kernel; ~150 ms for 6 rows by
+        MKL's ``F.linear``).
         """
         hidden = hidden.to(self.device)
         screened = self._screened_head(hidden.shape[0], exact)

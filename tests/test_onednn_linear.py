@@ -157,24 +157,28 @@ def test_a_shared_kernel_repacks_a_weight_changed_in_place():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_where_preferred_float32_few_rows_take_the_native_kernel_without_a_reordered_copy(bias, monkeypatch):
-    """Up to NATIVE_MAX_ROWS float32 rows: the native kernel's values (F.linear's, to float32 rounding) and no
-    reordered copy of the weight; more rows: oneDNN, which reorders it then."""
+@pytest.mark.parametrize("width", [72, 5])
+def test_where_preferred_float32_few_rows_take_the_native_kernel_without_a_reordered_copy(bias, width, monkeypatch):
+    """Up to NATIVE_MAX_ROWS float32 rows (batched, or columns of a transposed tensor): F.linear's values to
+    float32 rounding, the native kernel's exactly, and no reordered copy of the weight; more rows: oneDNN,
+    which reorders it then."""
     if not kernels.available():
         pytest.skip("the native kernels do not build here")
     monkeypatch.setattr(onednn_linear, "native_few_rows_preferred", lambda: True)
-    g = torch.Generator().manual_seed(1)
-    weight, b = torch.randn(300, 72, generator=g), torch.randn(300, generator=g) if bias else None
+    g = torch.Generator().manual_seed(width)
+    weight, b = torch.randn(300, width, generator=g), torch.randn(300, generator=g) if bias else None
     layer = FewRowLinear(weight, b)
+    inputs = [torch.randn(1, width, generator=g), torch.randn(3, 3, width, generator=g),  # 9 rows, batched
+              torch.randn(width, NATIVE_MAX_ROWS, generator=g).T]  # rows not contiguous
     with torch.inference_mode():
-        for rows in (1, 9, NATIVE_MAX_ROWS):
-            x = torch.randn(2, rows, 72, generator=g)[1]  # a view into a larger tensor
+        for x in inputs:
             out = layer(x)
-            assert torch.equal(out, kernels.few_row_linear(x, weight, b)) and layer.packed is None
+            assert out.shape == (*x.shape[:-1], 300) and layer.packed is None
+            assert torch.equal(out.reshape(-1, 300), kernels.few_row_linear(x.reshape(-1, width), weight, b))
             torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
         seen = _calls(monkeypatch)
         monkeypatch.setattr(onednn_linear, "native_few_rows_preferred", lambda: True)
-        x = torch.randn(NATIVE_MAX_ROWS + 1, 72, generator=g)
+        x = torch.randn(NATIVE_MAX_ROWS + 1, width, generator=g)
         torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
         assert seen == [NATIVE_MAX_ROWS + 1] and layer.packed is not None
 

@@ -232,7 +232,7 @@ class DropoutHead:
         self._int8_weight: Int8Weight | None = None  # W in int8 for oneDNN (BYTE_ROWWISE, many dropped columns)
         self._gathered: torch.Tensor | None = None  # rows of W gathered by exact_on, reused
         self._dense_kernel: FewRowLinear | None = None
-        self._exact_linear = shared_few_row_linear(weight)  # oneDNN for exact heads on CPU, one copy per weight
+        self._exact_linear = shared_few_row_linear(weight)  # exact heads on CPU (onednn_linear), one per weight
         if (exact_rows is None and sparse is None and weight.dtype == torch.float32
                 and self._exact_linear.supports_weight()):
             # two float32 (exact) paths on CPU: the dropped columns while they are few, else exact rows
@@ -300,7 +300,7 @@ class DropoutHead:
 
     @property
     def dense_kernel(self) -> FewRowLinear:
-        """``x @ weight_c.T`` for the dense path's perturbation rows: oneDNN with a reordered copy of
+        """``x @ weight_c.T`` for the dense path's perturbation rows (few-row kernels, :mod:`~dropmatch.onednn_linear`): oneDNN with a reordered copy of
         :attr:`weight_c` on CPUs (float32, or bfloat16 where native: 7-11 ms for 5-6 rows of the embedded
         pair's head against ~19 ms through ``F.linear``), ``F.linear`` elsewhere; shared per weight."""
         if self._dense_kernel is None:

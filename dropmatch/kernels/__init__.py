@@ -186,7 +186,8 @@ def byte_column_sums(packed: torch.Tensor, width: int, weights: torch.Tensor, dr
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ weight.T (+ bias)`` in float32 for a few rows, streaming ``weight`` in its own layout (see
     ``few_rows.c``). Each output row is computed the same way whatever the other rows, so a row's result does
-    not depend on how many rows come with it; its error is at most ~(k / 8 + 5) 2^-24 sum_j |x_j w_j|.
+    not depend on how many rows come with it; its error is at most (ceil(k / 8) + 3 + k % 8 + 1) 2^-24
+    sum_j |x_j w_j| (+ the bias's rounding) to first order.
 
     Args:
         x: (m, k) float32 on the CPU.
@@ -207,7 +208,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return None
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
-    out = torch.empty(m, n)
+    out = torch.empty(m, n, dtype=torch.float32)
     library.few_row_linear(x.data_ptr(), m, k, k, weight.data_ptr(), n, weight.stride(0),
                            None if bias is None else bias.data_ptr(), out.data_ptr(), n)
     return out

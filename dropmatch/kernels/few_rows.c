@@ -24,6 +24,8 @@ typedef float v8 __attribute__((vector_size(32)));
 #define MAX_ROWS 6 /* rows of x a pass holds (AVX2 EPYC: 12 no faster at 9 rows, slower at 16) */
 #define CHUNK 16    /* W rows a thread takes at a time (every pass over x re-reads them from cache) */
 #define AHEAD 4     /* W rows prefetched ahead of the one being read */
+#define AHEAD_OF(nb) (AHEAD > (nb) ? AHEAD : (nb)) /* from a block of nb rows: AHEAD rows on, or the next block */
+_Static_assert(MAX_ROWS == 6, "pass() has a case for each of 1 .. MAX_ROWS rows");
 
 static inline v8 load8(const float *p)
 {
@@ -49,9 +51,10 @@ static inline float lanes_sum(v8 s)
     return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
-/* nb consecutive W rows times mb rows of x (nb * mb accumulators and nb W vectors in registers). */
+/* nb consecutive W rows times mb rows of x (nb * mb accumulators and nb W vectors), prefetching the W rows
+ * ahead rows on (rows W holds). */
 static inline __attribute__((always_inline)) void block(const float *restrict x, long ldx, const float *restrict w,
-                                                        long ldw, long k, const float *restrict bias,
+                                                        long ldw, long k, long ahead, const float *restrict bias,
                                                         float *restrict y, long ldy, const int nb, const int mb)
 {
     v8 acc[4][MAX_ROWS];
@@ -60,9 +63,9 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
         for (int i = 0; i < mb; i++)
             acc[r][i] = (v8){0};
     for (long t = 0; t < k8; t += 8) {
-        if (!(t & 15)) /* a cache line of each of the W rows AHEAD rows on (or the next block's) */
+        if (!(t & 15)) /* a cache line of each W row to prefetch */
             for (int r = 0; r < nb; r++)
-                __builtin_prefetch(w + ((AHEAD > nb ? AHEAD : nb) + r) * ldw + t);
+                __builtin_prefetch(w + (ahead + r) * ldw + t);
         v8 wv[4];
         for (int r = 0; r < nb; r++)
             wv[r] = load8(w + r * ldw + t);
@@ -81,23 +84,28 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
         }
 }
 
-/* W rows [0, n) times mb (<= MAX_ROWS) rows of x: four W rows at a time for up to 3 rows of x, else two (at most
- * 14 of the 16 vector registers in block). */
-static void pass(const float *x, long ldx, const float *w, long n, long ldw, long k, const float *bias, float *y,
-                 long ldy, long mb)
+/* W rows [0, n) times mb (<= MAX_ROWS) rows of x: four W rows at a time for up to 3 rows of x, else two (the
+ * compiler keeps what does not fit the 16 vector registers as memory operands). W holds rest >= n rows from w on:
+ * a block prefetches the rows AHEAD (or its nb) rows on where W holds them, else its own. */
+static void pass(const float *x, long ldx, const float *w, long n, long rest, long ldw, long k, const float *bias,
+                 float *y, long ldy, long mb)
 {
     switch (mb) {
+#define BLOCK(v, nb, rows)                                                                                     \
+    block(x, ldx, w + (v) * ldw, ldw, k, (v) + AHEAD_OF(nb) + (nb) <= rest ? AHEAD_OF(nb) : 0,                   \
+          bias ? bias + (v) : 0, y + (v), ldy, nb, rows)
 #define PASS(rows, nb)                                                                                         \
     case rows: {                                                                                               \
         long v = 0;                                                                                            \
         for (; v + nb <= n; v += nb)                                                                           \
-            block(x, ldx, w + v * ldw, ldw, k, bias ? bias + v : 0, y + v, ldy, nb, rows);                     \
+            BLOCK(v, nb, rows);                                                                                \
         for (; v < n; v++)                                                                                     \
-            block(x, ldx, w + v * ldw, ldw, k, bias ? bias + v : 0, y + v, ldy, 1, rows);                      \
+            BLOCK(v, 1, rows);                                                                                 \
         break;                                                                                                 \
     }
         PASS(1, 4) PASS(2, 4) PASS(3, 4) PASS(4, 2) PASS(5, 2) PASS(6, 2)
 #undef PASS
+#undef BLOCK
     }
 }
 
@@ -111,7 +119,7 @@ void few_row_linear(const float *x, long m, long k, long ldx, const float *w, lo
     for (long c = 0; c < chunks; c++) {
         long v = c * CHUNK, count = n - v < CHUNK ? n - v : CHUNK;
         for (long i = 0; i < m; i += MAX_ROWS)
-            pass(x + i * ldx, ldx, w + v * ldw, count, ldw, k, bias ? bias + v : 0, y + i * ldy + v, ldy,
+            pass(x + i * ldx, ldx, w + v * ldw, count, n - v, ldw, k, bias ? bias + v : 0, y + i * ldy + v, ldy,
                  m - i < MAX_ROWS ? m - i : MAX_ROWS);
     }
 }
