@@ -31,7 +31,6 @@ from .onednn_linear import (
     FewRowLinear,
     WeightWatch,
     bf16_matmul_supported,
-    native_few_rows_preferred,
     pack_linears,
     shared_few_row_linear,
 )
@@ -139,14 +138,15 @@ class CausalLM:
         """Build what the first verify step would build lazily (the screened bfloat16 head, its weight
         copy and its oneDNN reorder, the oneDNN-reordered float32 head), so that no timed generation pays
         for it. Where the native few-row kernel serves float32 heads of up to 16 rows
-        (:func:`~dropmatch.onednn_linear.native_few_rows_preferred`), the float32 head is not reordered: a
+        (:attr:`~dropmatch.onednn_linear.FewRowLinear.native_serves`), the float32 head is not reordered: a
         decode or verify step never reads that copy (671 MB on the embedded pair); a call of more rows builds
         it then. Idempotent."""
         screened = self._screened_head(1, exact=False)
         if screened is not None:
             screened.kernel.prepack()
-        if self.exact_head_kernel is not None and not native_few_rows_preferred():
-            self.exact_head_kernel.prepack()
+        kernel = self.exact_head_kernel
+        if kernel is not None and not kernel.native_serves:
+            kernel.prepack()
 
     def _head_copies(self) -> None:
         """Drop the copies derived from the head weight (its bfloat16 copy, the screened head, the oneDNN

@@ -5,11 +5,11 @@ A verify step runs the trunk on L + 1 = 6 rows. torch's float32 ``F.linear`` (MK
 poorly: on the embedded Gemma-3-270M (2 cores) the trunk takes ~100 ms on 6 rows against ~50 ms on 1,
 although both read the same 400 MB of weights. oneDNN with a weight reordered once for its kernels
 (``torch.ops.mkldnn._reorder_linear_weight``, as torch's inductor uses it) runs the 6 rows in ~40 ms.
-On CPUs without AVX-512 (measured on an AVX2 EPYC: :data:`NATIVE_MAX_ROWS`), calls of up to
-:data:`NATIVE_MAX_ROWS` float32 rows take ``dropmatch/kernels/few_rows.c`` instead
-(:func:`native_few_rows_preferred`), faster there: it streams the weight in its own layout, prefetching ahead,
-and computes each output row the same way whatever the rows beside it. Results are float32 GEMMs in another summation order (differences ~1e-7
-relative), like any change of BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized
+On CPUs without AVX-512, calls of up to :data:`NATIVE_MAX_ROWS` float32 rows take
+``dropmatch/kernels/few_rows.c`` instead (:func:`native_few_rows_preferred`; faster on an AVX2 EPYC, see
+:data:`NATIVE_MAX_ROWS`): it streams the weight in its own layout, prefetching ahead, and computes each output
+row the same way whatever the rows beside it. Results are float32 GEMMs in another summation order (differences
+~1e-7 relative), like any change of BLAS; greedy equality of SD and AR is a test on the real pair. Prefill-sized
 inputs (many rows) keep ``F.linear``, which is efficient there; so do autograd and non-CPU weights. bfloat16
 weights take oneDNN where the CPU runs bfloat16 natively (:func:`bf16_matmul_supported`; e.g. an EAGLE-3 head
 drafting in bfloat16), else ``F.linear``. Each layer that oneDNN serves holds a reordered copy of its weight
@@ -103,6 +103,11 @@ def few_row_weight(weight: torch.Tensor) -> bool:
     return dtype_ok and weight.device.type == "cpu" and onednn_linear_supported()
 
 
+def _rows(x: torch.Tensor) -> int:
+    """The rows of ``x`` (..., d): its entries over d (0 for an empty tensor)."""
+    return x.numel() // x.shape[-1] if x.numel() else 0
+
+
 class FewRowLinear:
     """``x @ weight.T (+ bias)`` on inputs of at most :data:`MAX_ROWS` rows without autograd: float32 inputs of
     at most :data:`NATIVE_MAX_ROWS` rows through the native kernel where :func:`native_few_rows_preferred`,
@@ -127,9 +132,14 @@ class FewRowLinear:
         return few_row_weight(self.weight)
 
     def applies(self, x: torch.Tensor) -> bool:
-        rows = x.numel() // x.shape[-1] if x.numel() else 0
-        return (0 < rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
+        return (0 < _rows(x) <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
                 and x.device.type == "cpu" and self.supports_weight())
+
+    @property
+    def native_serves(self) -> bool:
+        """Whether calls of up to :data:`NATIVE_MAX_ROWS` rows take the native kernel rather than oneDNN: a
+        float32 weight on a CPU where :func:`native_few_rows_preferred` (the kernel keeps no reordered copy)."""
+        return self.weight.dtype == torch.float32 and native_few_rows_preferred()
 
     def prepack(self) -> None:
         """Reorder the weight for oneDNN now (it is otherwise done at the first few-row call), or again if it
@@ -146,7 +156,7 @@ class FewRowLinear:
     def native(self, x: torch.Tensor) -> torch.Tensor | None:
         """The native kernel's product, for an input :meth:`applies` accepts, where it takes it: float32 and at
         most :data:`NATIVE_MAX_ROWS` rows, on a CPU where :func:`native_few_rows_preferred`; else ``None``."""
-        if x.dtype != torch.float32 or x.numel() > NATIVE_MAX_ROWS * x.shape[-1] or not native_few_rows_preferred():
+        if _rows(x) > NATIVE_MAX_ROWS or not self.native_serves:
             return None
         out = kernels.few_row_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return None if out is None else out.view(*x.shape[:-1], -1)

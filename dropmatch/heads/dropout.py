@@ -300,9 +300,10 @@ class DropoutHead:
 
     @property
     def dense_kernel(self) -> FewRowLinear:
-        """``x @ weight_c.T`` for the dense path's perturbation rows (few-row kernels, :mod:`~dropmatch.onednn_linear`): oneDNN with a reordered copy of
-        :attr:`weight_c` on CPUs (float32, or bfloat16 where native: 7-11 ms for 5-6 rows of the embedded
-        pair's head against ~19 ms through ``F.linear``), ``F.linear`` elsewhere; shared per weight."""
+        """``x @ weight_c.T`` for the dense path's perturbation rows (:mod:`~dropmatch.onednn_linear`): oneDNN
+        with a reordered copy of :attr:`weight_c` on CPUs (float32, or bfloat16 where native: 7-11 ms for 5-6
+        rows of the embedded pair's head against ~19 ms through ``F.linear``), or the native kernel for few
+        float32 rows where preferred; ``F.linear`` elsewhere; shared per weight."""
         if self._dense_kernel is None:
             self._dense_kernel = shared_few_row_linear(self.weight_c)
         return self._dense_kernel
