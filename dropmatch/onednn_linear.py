@@ -161,6 +161,16 @@ class FewRowLinear:
         out = kernels.few_row_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return None if out is None else out.view(*x.shape[:-1], -1)
 
+    def native_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The product on the weight rows ``rows`` (r,) only, (..., r), by the native kernel where
+        :attr:`native_serves`, without autograd (equal, bit for bit, to those columns of its whole product; no
+        gathered copy of the rows); else ``None``."""
+        if not (self.native_serves and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1
+                and not torch.is_grad_enabled()):
+            return None
+        out = kernels.few_row_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, rows=rows)
+        return None if out is None else out.view(*x.shape[:-1], -1)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.applies(x):
             return F.linear(x, self.weight, self.bias)

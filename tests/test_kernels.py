@@ -100,7 +100,7 @@ def dequantized_sums(blocks, weights: torch.Tensor, dropped: torch.Tensor) -> to
 
 @pytest.mark.skipif(not byte_bags_supported(), reason="8-bit columns need fbgemm")
 @pytest.mark.parametrize("k, p_drop, vocab, block", [(5, 0.032, 70001, 32768), (5, 0.3, 20000, 4096),
-                                                     (3, 0.9, 3000, 1000), (1, 0.5, 513, 512), (8, 0.3, 5000, 2048)])
+                                                     (3, 0.9, 3000, 1001), (1, 0.5, 513, 512), (8, 0.3, 5000, 2048)])
 def test_column_sums_stay_within_the_bags_bound(native, monkeypatch, k, p_drop, vocab, block):
     """The grouped 8-bit column sums (a column that several heads drop read once) against their float64 value:
     within the bound derived for fbgemm's bags, which the kernel's rounding must stay inside, at every token,
@@ -142,6 +142,9 @@ def test_column_sums_refuse_what_they_do_not_take(native):
     assert kernels.byte_column_sums(blocks.packed, blocks.width, torch.randn(8), dropped.float()) is None
     nothing = kernels.byte_column_sums(blocks.packed, blocks.width, torch.randn(8), dropped)  # no column dropped
     assert nothing is not None and not bool(nothing.any())
+    dropped[3, 2] = True  # one head drops one column: the others' sums are zero
+    one = kernels.byte_column_sums(blocks.packed, blocks.width, torch.ones(8), dropped)
+    assert not bool(one[[0, 1, 2, 4]].any()) and bool(one[3].any())
 
 
 def test_what_it_does_not_take_goes_back_untouched(native):
@@ -176,6 +179,26 @@ def test_few_row_linear_is_within_its_bound_and_each_row_its_own(native, k, bias
         for rows in (1, 2, 5, 6, 7, 9, 13):
             assert torch.equal(kernels.few_row_linear(x[:rows], weight, b), out[:rows])
             assert torch.equal(kernels.few_row_linear(x[rows - 1 : rows + 3], weight, b), out[rows - 1 : rows + 3])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_row_linear_on_rows_equals_those_columns_of_the_whole_product(native, bias):
+    """On a subset of W's rows (any order, repeated, none), for row counts across the kernel's passes and a
+    strided weight: the whole product's columns, bit for bit; indices outside W are refused."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(500, 75, generator=g)[:, :67]  # a row stride above k
+    b = torch.randn(500, generator=g) if bias else None
+    for m in (1, 5, 13):
+        x = torch.randn(m, 67, generator=g)
+        whole = kernels.few_row_linear(x, weight, b)
+        for rows in (torch.tensor([499, 3, 3, 0, 250]), torch.randperm(500, generator=g)[:123],
+                     torch.empty(0, dtype=torch.long)):
+            assert torch.equal(kernels.few_row_linear(x, weight, b, rows=rows), whole[:, rows])
+    with pytest.raises(IndexError, match="rows must lie in"):
+        kernels.few_row_linear(x, weight, b, rows=torch.tensor([0, 500]))
+    with pytest.raises(IndexError, match="rows must lie in"):
+        kernels.few_row_linear(x, weight, b, rows=torch.tensor([-1]))
+    assert kernels.few_row_linear(x, weight, b, rows=torch.tensor([1, 2], dtype=torch.int32)) is None
 
 
 def test_few_row_linear_refuses_what_it_does_not_take(native):

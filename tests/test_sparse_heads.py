@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dropmatch import kernels, onednn_linear
 from dropmatch.errors import ConfigError
 from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
 from dropmatch.heads.dropout import SPARSE_FLOAT32_MAX_DROPPED, DropoutHead
@@ -401,8 +402,10 @@ def test_sampled_steps_take_exact_sparse_corrections_on_the_cpu_default(top_p):
     assert evaluations > 0
 
 
-def test_exact_on_reuses_its_gather_buffer_in_and_out_of_inference_mode():
-    """exact_on gathers into a kept buffer; one allocated under inference mode is not written outside it."""
+def test_exact_on_reuses_its_gather_buffer_in_and_out_of_inference_mode(monkeypatch):
+    """exact_on gathers into a kept buffer (where the native kernel does not serve the exact heads); one allocated
+    under inference mode is not written outside it."""
+    monkeypatch.setattr(onednn_linear, "native_few_rows_preferred", lambda: False)
     weight = torch.randn(300, 16)
     head = DropoutHead(weight, k=3, p_drop=0.3, compute_dtype=torch.float32, sparse=True)
     hidden = torch.randn(1, 16)
@@ -414,3 +417,22 @@ def test_exact_on_reuses_its_gather_buffer_in_and_out_of_inference_mode():
     outside = head.exact_on(hidden, masks, torch.tensor([3, 7, 250]))
     for got in (inside, outside):
         assert torch.allclose(got.double(), expected, atol=1e-5)
+    assert head._gathered is not None
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels build on x86-64 Linux with a C compiler")
+def test_exact_on_by_the_native_kernel_equals_the_exact_heads_on_those_tokens(monkeypatch):
+    """Where the native kernel serves the exact heads, exact_on reads the tokens' rows of W in place (no gathered
+    copy) and gives exact_logits' values there bit for bit, for tokens in any order, repeated or none."""
+    monkeypatch.setattr(onednn_linear, "native_few_rows_preferred", lambda: True)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(3000, 40, generator=g)
+    head = DropoutHead(weight, k=5, p_drop=0.3, compute_dtype=torch.float32, sparse=True)
+    hidden = torch.randn(1, 40, generator=g)
+    masks = head.draw_masks(1, torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        exact = head.exact_logits(hidden, masks)  # (1, K, V): the native kernel's whole product (K <= 16 rows)
+        for tokens in (torch.tensor([2999, 5, 17, 5, 0]), torch.randperm(3000, generator=g)[:700],
+                       torch.empty(0, dtype=torch.long)):
+            assert torch.equal(head.exact_on(hidden, masks, tokens), exact[..., tokens])
+    assert head._gathered is None

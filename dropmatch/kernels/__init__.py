@@ -85,6 +85,9 @@ def _library() -> ctypes.CDLL | None:
     library.byte_column_sums.restype = ctypes.c_int
     library.few_row_linear.argtypes = [pointer, size, size, size, pointer, size, size, pointer, pointer, size]
     library.few_row_linear.restype = None
+    library.few_row_linear_at.argtypes = [pointer, size, size, size, pointer, size, pointer, size, pointer, pointer,
+                                          size]
+    library.few_row_linear_at.restype = None
     return library
 
 
@@ -183,7 +186,8 @@ def byte_column_sums(packed: torch.Tensor, width: int, weights: torch.Tensor, dr
     return out if status == 0 else None
 
 
-def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ weight.T (+ bias)`` in float32 for a few rows, streaming ``weight`` in its own layout (see
     ``few_rows.c``). Each output row is computed the same way whatever the other rows, so a row's result does
     not depend on how many rows come with it; its error is at most (ceil(k / 8) + 3 + k % 8 + 1) 2^-24
@@ -193,9 +197,12 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x: (m, k) float32 on the CPU.
         weight: (n, k) float32 on the CPU, rows contiguous (a row stride of at least k).
         bias: (n,) float32, or ``None``.
+        rows: (r,) int64 indices into ``weight``'s rows, or ``None`` for all: the product on those rows only,
+            equal bit for bit to the same columns of the whole product (no gathered copy of the rows).
 
     Returns:
-        (m, n) float32; ``None`` where the kernels do not run here or do not take these tensors.
+        (m, n) float32, or (m, r) with ``rows``; ``None`` where the kernels do not run here or do not take these
+        tensors. Raises ``IndexError`` for ``rows`` outside ``weight``.
     """
     if x.dim() != 2 or weight.dim() != 2 or weight.stride(-1) != 1 or weight.stride(0) < weight.shape[1]:
         return None
@@ -203,12 +210,24 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not (m and n and k and weight.shape[1] == k and _cpu_float32(x, (m, k))
             and _cpu_float32(weight, (n, k)) and _cpu_float32(bias, (n,))):
         return None
+    if rows is not None and not (rows.dim() == 1 and rows.dtype == torch.long and rows.device.type == "cpu"):
+        return None
     library = _library()
     if library is None:
         return None
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
-    out = torch.empty(m, n, dtype=torch.float32)
-    library.few_row_linear(x.data_ptr(), m, k, k, weight.data_ptr(), n, weight.stride(0),
-                           None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    if rows is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+        library.few_row_linear(x.data_ptr(), m, k, k, weight.data_ptr(), n, weight.stride(0),
+                               None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        return out
+    rows = rows.contiguous()
+    lowest, highest = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
+    if lowest < 0 or highest >= n:
+        raise IndexError(f"few_row_linear: rows must lie in [0, {n}), got [{lowest}, {highest}]")
+    out = torch.empty(m, rows.numel(), dtype=torch.float32)
+    if rows.numel():
+        library.few_row_linear_at(x.data_ptr(), m, k, k, weight.data_ptr(), weight.stride(0), rows.data_ptr(),
+                                  rows.numel(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows.numel())
     return out

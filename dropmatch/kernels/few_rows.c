@@ -123,3 +123,21 @@ void few_row_linear(const float *x, long m, long k, long ldx, const float *w, lo
                  m - i < MAX_ROWS ? m - i : MAX_ROWS);
     }
 }
+
+/* The same product on the W rows index names only: y[i][j] = x_i . W[index[j]] (+ bias[index[j]]) for j < count,
+ * each entry computed as few_row_linear computes it (so equal, bit for bit, to its column index[j]). For the few
+ * hundred to few thousand tokens a decision makes exact, without a gathered copy of their rows. */
+void few_row_linear_at(const float *x, long m, long k, long ldx, const float *w, long ldw, const long *index,
+                       long count, const float *bias, float *y, long ldy)
+{
+#pragma omp parallel for schedule(static)
+    for (long j = 0; j < count; j++) {
+        if (j + 2 < count) /* the row after next */
+            for (long t = 0; t < k; t += 16)
+                __builtin_prefetch(w + index[j + 2] * ldw + t);
+        const float *row = w + index[j] * ldw;
+        for (long i = 0; i < m; i += MAX_ROWS)
+            pass(x + i * ldx, ldx, row, 1, 1, ldw, k, bias ? bias + index[j] : 0, y + i * ldy + j, ldy,
+                 m - i < MAX_ROWS ? m - i : MAX_ROWS);
+    }
+}
