@@ -12,9 +12,9 @@
  * vector (bytes widened to float32 exactly).
  *
  * Speed (random 262k x 640 weight, K = 5, one position, caches flushed, 2-core AVX2 EPYC, medians of 15
- * interleaved): 8.7 against 14.2 ms at p_drop 0.3 and 2.7 against 3.5 ms at 0.032 for this kernel's first
- * version (tiles of 1k tokens in an L1 scratch, the compiler's own widening through 16-bit lanes, groups of one
- * to three columns padded to four): 1k-token tiles read each column in 1 KB runs, too short for the hardware
+ * interleaved): 8.7 ms at p_drop 0.3 and 2.7 ms at 0.032, against 14.2 and 3.5 ms for this kernel's first version
+ * (tiles of 1k tokens in an L1 scratch, the compiler's own widening through 16-bit lanes, groups of one to three
+ * columns padded to four), whose 1k-token tiles read each column in 1 KB runs, too short for the hardware
  * prefetchers.
  *
  * Arithmetic (float32 unless said): for each column, s_j = w_j * scale_j; a group's sum is s_j q_j + ... by fma,
@@ -164,7 +164,8 @@ int byte_column_sums(const uint8_t *restrict packed, long d, long width, long n_
                 }
             }
             for (long r = 0; r < k; r++) {
-                float *restrict acc = rows + r * out_stride, offset = (float)offsets[r];
+                float *restrict acc = rows + r * out_stride;
+                float offset = (float)offsets[r];
                 if (!started[r]) /* a head that drops nothing */
                     memset(acc, 0, sizeof(float) * (size_t)n);
 #pragma omp simd
