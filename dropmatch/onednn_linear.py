@@ -158,16 +158,18 @@ class FewRowLinear:
         most :data:`NATIVE_MAX_ROWS` rows, on a CPU where :func:`native_few_rows_preferred`; else ``None``."""
         if _rows(x) > NATIVE_MAX_ROWS or not self.native_serves:
             return None
-        out = kernels.few_row_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
-        return None if out is None else out.view(*x.shape[:-1], -1)
+        return self._native_product(x)
 
     def native_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        """The product on the weight rows ``rows`` (r,) only, (..., r), by the native kernel where
-        :attr:`native_serves`, without autograd (equal, bit for bit, to those columns of its whole product; no
-        gathered copy of the rows); else ``None``."""
+        """The product of ``x`` (..., in) on the weight rows ``rows`` (r,) only, (..., r), by the native kernel
+        where :attr:`native_serves`, without autograd (equal, bit for bit, to those columns of its whole product;
+        no gathered copy of the rows); else ``None``."""
         if not (self.native_serves and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1
                 and not torch.is_grad_enabled()):
             return None
+        return self._native_product(x, rows)
+
+    def _native_product(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         out = kernels.few_row_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, rows=rows)
         return None if out is None else out.view(*x.shape[:-1], -1)
 

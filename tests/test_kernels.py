@@ -87,6 +87,12 @@ def test_sparse_heads_come_with_their_statistics(native):
     assert rows.summarized_logits(hidden, clean.unsqueeze(0), masks)[1] is None  # the rows path computes none
 
 
+def nan_outputs(monkeypatch) -> None:
+    """Make ``torch.empty`` return NaN-filled tensors (a kernel's output it leaves unwritten then shows)."""
+    full = torch.full
+    monkeypatch.setattr(torch, "empty", lambda *size, **kwargs: full(size, float("nan"), **kwargs))
+
+
 def dequantized_sums(blocks, weights: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
     """sum_{j in D_k} w_j (scale q + offset)_j over every block, in float64: (K, n_blocks * width)."""
     d, width = weights.numel(), blocks.width
@@ -114,7 +120,9 @@ def test_column_sums_stay_within_the_bags_bound(native, monkeypatch, k, p_drop, 
     dropped[0, 0, :3] = True  # head 0 drops a column no other head drops, and one all heads drop
     dropped[:, :, 5] = True
     weights = hidden[0] / (1.0 - p_drop)
-    sums = kernels.byte_column_sums(blocks.packed, blocks.width, weights, dropped[0])
+    with monkeypatch.context() as patch:  # every entry of the output must be written
+        nan_outputs(patch)
+        sums = kernels.byte_column_sums(blocks.packed, blocks.width, weights, dropped[0])
     # against the float32 weight's products (what the bound is for), and against the dequantized columns' (the
     # rounding alone, which the bound's term for it must hold: 1.05 (|D| + 6) 2^-23 sum_j |w_j| magnitude_j)
     products = (dropped[0].double() * weights.double()) @ weight.double().T  # (K, vocab)
@@ -133,7 +141,7 @@ def test_column_sums_stay_within_the_bags_bound(native, monkeypatch, k, p_drop, 
     assert bool(((with_bags.double() - exact).abs().amax(-1) <= rounding).all())
 
 
-def test_column_sums_refuse_what_they_do_not_take(native):
+def test_column_sums_refuse_what_they_do_not_take(native, monkeypatch):
     blocks = shared_byte_blocks(torch.randn(100, 8), 64)
     dropped = torch.zeros(5, 8, dtype=torch.bool)
     assert kernels.byte_column_sums(blocks.packed, blocks.width, torch.randn(8).double(), dropped) is None
@@ -143,6 +151,7 @@ def test_column_sums_refuse_what_they_do_not_take(native):
     nothing = kernels.byte_column_sums(blocks.packed, blocks.width, torch.randn(8), dropped)  # no column dropped
     assert nothing is not None and not bool(nothing.any())
     dropped[3, 2] = True  # one head drops one column: the others' sums are zero
+    nan_outputs(monkeypatch)
     one = kernels.byte_column_sums(blocks.packed, blocks.width, torch.ones(8), dropped)
     assert not bool(one[[0, 1, 2, 4]].any()) and bool(one[3].any())
 

@@ -420,10 +420,11 @@ def test_exact_on_reuses_its_gather_buffer_in_and_out_of_inference_mode(monkeypa
     assert head._gathered is not None
 
 
-@pytest.mark.skipif(not kernels.available(), reason="native kernels build on x86-64 Linux with a C compiler")
 def test_exact_on_by_the_native_kernel_equals_the_exact_heads_on_those_tokens(monkeypatch):
     """Where the native kernel serves the exact heads, exact_on reads the tokens' rows of W in place (no gathered
     copy) and gives exact_logits' values there bit for bit, for tokens in any order, repeated or none."""
+    if not (kernels.available() and onednn_linear_supported()):
+        pytest.skip("the native kernels (x86-64 Linux with a C compiler) on a torch with oneDNN's linear ops")
     monkeypatch.setattr(onednn_linear, "native_few_rows_preferred", lambda: True)
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(3000, 40, generator=g)

@@ -528,21 +528,20 @@ class DropoutHead:
         return logits, bounds
 
     def exact_on(self, hidden: torch.Tensor, masks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Exact head logits (n, K, |tokens|) on a token subset: by the native few-row kernel on those rows of W
-        where it serves the exact heads (bit for bit :meth:`exact_logits`' values where that takes the kernel too,
-        up to 16 rows; 1.1k tokens of the embedded pair ~0.2 against ~0.45 ms by a gather and a GEMM, 7k ~1
-        against ~6 ms, 2-core AVX2 EPYC), else rows of W gathered, in the weight's precision, into a buffer kept
-        for the next gather (a fresh one of 10-80 MB is fresh pages from the OS, which the gather then faults
-        in, ~2 ms for 4k rows of the embedded pair against ~1 ms)."""
+        """Exact head logits (n, K, |tokens|) on a token subset (soft-capped if any): by the native few-row kernel
+        on those rows of W where it serves the exact heads (bit for bit :meth:`exact_logits`' values where that
+        takes the kernel too: n K <= 16 rows; 1.1k tokens of the embedded pair ~0.2 against ~0.45 ms by a gather
+        and a GEMM, 7k ~1 against ~6 ms, 2-core AVX2 EPYC), else rows of W gathered, in the weight's precision,
+        into a buffer kept for the next gather (a fresh one of 10-80 MB is fresh pages from the OS, which the
+        gather then faults in, ~2 ms for 4k rows of the embedded pair against ~1 ms)."""
         inputs = dropout_inputs(hidden, masks, self.p_drop).to(self.weight.dtype)
-        raw = None if self.softcap else self._exact_linear.native_at(inputs, tokens)
-        if raw is not None:
-            return raw
-        if (self._gathered is None or self._gathered.shape[0] < tokens.numel()
-                or self._gathered.is_inference() != torch.is_inference_mode_enabled()):  # written in place below
-            self._gathered = self.weight.new_empty((max(tokens.numel(), 4096), self.weight.shape[1]))
-        rows = torch.index_select(self.weight, 0, tokens, out=self._gathered[: tokens.numel()])
-        raw = F.linear(inputs, rows).float()
+        raw = self._exact_linear.native_at(inputs, tokens)
+        if raw is None:
+            if (self._gathered is None or self._gathered.shape[0] < tokens.numel()
+                    or self._gathered.is_inference() != torch.is_inference_mode_enabled()):  # written in place below
+                self._gathered = self.weight.new_empty((max(tokens.numel(), 4096), self.weight.shape[1]))
+            rows = torch.index_select(self.weight, 0, tokens, out=self._gathered[: tokens.numel()])
+            raw = F.linear(inputs, rows).float()
         return torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw
 
     def row_norms(self) -> tuple[torch.Tensor, torch.Tensor]:

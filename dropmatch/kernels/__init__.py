@@ -210,8 +210,13 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not (m and n and k and weight.shape[1] == k and _cpu_float32(x, (m, k))
             and _cpu_float32(weight, (n, k)) and _cpu_float32(bias, (n,))):
         return None
-    if rows is not None and not (rows.dim() == 1 and rows.dtype == torch.long and rows.device.type == "cpu"):
-        return None
+    if rows is not None:
+        if not (rows.dim() == 1 and rows.dtype == torch.long and rows.device.type == "cpu"):
+            return None
+        rows = rows.contiguous()
+        lowest, highest = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
+        if lowest < 0 or highest >= n:
+            raise IndexError(f"few_row_linear: rows must lie in [0, {n}), got [{lowest}, {highest}]")
     library = _library()
     if library is None:
         return None
@@ -222,10 +227,6 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         library.few_row_linear(x.data_ptr(), m, k, k, weight.data_ptr(), n, weight.stride(0),
                                None if bias is None else bias.data_ptr(), out.data_ptr(), n)
         return out
-    rows = rows.contiguous()
-    lowest, highest = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
-    if lowest < 0 or highest >= n:
-        raise IndexError(f"few_row_linear: rows must lie in [0, {n}), got [{lowest}, {highest}]")
     out = torch.empty(m, rows.numel(), dtype=torch.float32)
     if rows.numel():
         library.few_row_linear_at(x.data_ptr(), m, k, k, weight.data_ptr(), weight.stride(0), rows.data_ptr(),

@@ -132,9 +132,12 @@ void few_row_linear_at(const float *x, long m, long k, long ldx, const float *w,
 {
 #pragma omp parallel for schedule(static)
     for (long j = 0; j < count; j++) {
-        if (j + 2 < count) /* the row after next */
+        if (j + 2 < count) { /* the row after next, its last line included */
+            const float *ahead = w + index[j + 2] * ldw;
             for (long t = 0; t < k; t += 16)
-                __builtin_prefetch(w + index[j + 2] * ldw + t);
+                __builtin_prefetch(ahead + t);
+            __builtin_prefetch(ahead + k - 1);
+        }
         const float *row = w + index[j] * ldw;
         for (long i = 0; i < m; i += MAX_ROWS)
             pass(x + i * ldx, ldx, row, 1, 1, ldw, k, bias ? bias + index[j] : 0, y + i * ldy + j, ldy,
