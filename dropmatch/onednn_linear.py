@@ -164,10 +164,9 @@ class FewRowLinear:
         """The product of ``x`` (..., in) on the weight rows ``rows`` (r,) only, (..., r), by the native kernel
         where :attr:`native_serves`, without autograd (equal, bit for bit, to those columns of its whole product;
         no gathered copy of the rows); else ``None``."""
-        if not (self.native_serves and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1
-                and not torch.is_grad_enabled()):
+        if not (self.native_serves and x.dim() >= 1 and not torch.is_grad_enabled()):
             return None
-        return self._native_product(x, rows)
+        return self._native_product(x, rows)  # None for inputs the kernel does not take (dtype, device)
 
     def _native_product(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         out = kernels.few_row_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, rows=rows)

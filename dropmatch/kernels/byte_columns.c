@@ -30,13 +30,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 #define TILE 8192 /* vocabulary entries a thread finishes at a time: K + 1 rows of 32 KB */
 
 #if defined(__AVX2__) && defined(__FMA__)
+#define VECTORS 1 /* add_columns runs 8 tokens a vector */
+#include <immintrin.h>
+
 /* 8 entries from p, as float32 (exact) */
 static inline __m256 widen8(const uint8_t *p)
 {
@@ -50,7 +50,7 @@ static inline __attribute__((always_inline)) void add_columns(float *restrict su
                                                               const float *s, long n, const int m, const int first)
 {
     long t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef VECTORS
     __m256 sv[4];
     for (int i = 0; i < m; i++)
         sv[i] = _mm256_set1_ps(s[i]);

@@ -109,6 +109,14 @@ static void pass(const float *x, long ldx, const float *w, long n, long rest, lo
     }
 }
 
+/* W rows [0, n) times all m rows of x, MAX_ROWS rows of x a pass (W holds rest >= n rows from w on). */
+static void passes(const float *x, long m, long ldx, const float *w, long n, long rest, long ldw, long k,
+                   const float *bias, float *y, long ldy)
+{
+    for (long i = 0; i < m; i += MAX_ROWS)
+        pass(x + i * ldx, ldx, w, n, rest, ldw, k, bias, y + i * ldy, ldy, m - i < MAX_ROWS ? m - i : MAX_ROWS);
+}
+
 /* x: m rows of k floats, row stride ldx; w: n rows of k floats, row stride ldw; bias: n floats or NULL;
  * y: m rows of n floats, row stride ldy. */
 void few_row_linear(const float *x, long m, long k, long ldx, const float *w, long n, long ldw, const float *bias,
@@ -118,9 +126,7 @@ void few_row_linear(const float *x, long m, long k, long ldx, const float *w, lo
 #pragma omp parallel for schedule(static)
     for (long c = 0; c < chunks; c++) {
         long v = c * CHUNK, count = n - v < CHUNK ? n - v : CHUNK;
-        for (long i = 0; i < m; i += MAX_ROWS)
-            pass(x + i * ldx, ldx, w + v * ldw, count, n - v, ldw, k, bias ? bias + v : 0, y + i * ldy + v, ldy,
-                 m - i < MAX_ROWS ? m - i : MAX_ROWS);
+        passes(x, m, ldx, w + v * ldw, count, n - v, ldw, k, bias ? bias + v : 0, y + v, ldy);
     }
 }
 
@@ -138,9 +144,6 @@ void few_row_linear_at(const float *x, long m, long k, long ldx, const float *w,
                 __builtin_prefetch(ahead + t);
             __builtin_prefetch(ahead + k - 1);
         }
-        const float *row = w + index[j] * ldw;
-        for (long i = 0; i < m; i += MAX_ROWS)
-            pass(x + i * ldx, ldx, row, 1, 1, ldw, k, bias ? bias + index[j] : 0, y + i * ldy + j, ldy,
-                 m - i < MAX_ROWS ? m - i : MAX_ROWS);
+        passes(x, m, ldx, w + index[j] * ldw, 1, 1, ldw, k, bias ? bias + index[j] : 0, y + j, ldy);
     }
 }
