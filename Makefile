@@ -9,7 +9,7 @@ PRESET ?= default
 # Extra papermill parameters for `make reproduce`, e.g. ARGS="-p max_new_tokens 32"
 ARGS   ?=
 
-.PHONY: install test smoke lint reproduce bench-engine bench-dropmatch gpu-check train-draft bench-draft bench-eagle3-dm clean
+.PHONY: install test smoke lint reproduce bench-engine bench-dropmatch gpu-check train-draft bench-draft bench-eagle3-dm bench-verify-rows clean
 
 install: $(STAMP)
 
@@ -59,6 +59,9 @@ bench-eagle3-dm: $(STAMP)
 
 bench-draft: $(STAMP)
 	$(PY) -m dropmatch.benchmarks.draft_tau
+
+bench-verify-rows: $(STAMP)  # a verify step's cost by its rows, and the steps of lookup first + EAGLE-3 (~2 min)
+	$(PY) -m dropmatch.benchmarks.verify_rows $(ARGS)
 
 clean:
 	rm -rf results .pytest_cache .ruff_cache
