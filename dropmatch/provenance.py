@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .cpuinfo import cpu_fields
 from .notebook_cells import same_sources
 from .paths import REPO_ROOT
 
@@ -104,21 +105,13 @@ def relative(value):
     return value
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), set()
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return fields.get("model name", platform.machine()), set(fields.get("flags", "").split())
-
-
 def machine_record() -> dict:
     """CPU model, the kernel-relevant flags, torch's build, threads and kernel choices, the GPUs."""
     from .heads import bf16_matmul_supported
 
-    cpu, flags = _cpuinfo()
+    fields = cpu_fields()
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
     cuda = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {"cpu": cpu, "kernel_flags": {f: f in flags for f in KERNEL_FLAGS},
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
@@ -151,11 +144,7 @@ def describe_model(lm) -> str:
 
 def cpu_model() -> str:
     """The CPU's model name where ``/proc/cpuinfo`` gives it (Linux), else the platform's processor or machine."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    except OSError:
-        name = ""
+    name = cpu_fields().get("model name", "")
     machine = platform.processor() or platform.machine()
     return f"{name} ({machine})" if name else machine
 

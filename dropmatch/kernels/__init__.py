@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..cpuinfo import cpu_fields
 from ..paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -34,15 +35,6 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``/proc/cpuinfo``), which ``-march=native`` compiles for."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def _flags() -> tuple[str, ...]:
@@ -66,7 +58,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler, flags = os.environ.get("CC", "cc"), _flags()
     texts = [source.read_text() for source in SOURCES]
-    key = hashlib.sha256("\0".join([*texts, compiler, *flags, *LIBRARIES, _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*texts, compiler, *flags, *LIBRARIES, cpu_fields().get("flags", "")]).encode())
     target = cache_root() / "kernels" / f"kernels-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
