@@ -38,7 +38,8 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def _clock(device: torch.device) -> float:
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the work queued on ``device`` is done (a CUDA device is synchronized first)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -167,17 +168,17 @@ def generate(
     generator = torch.Generator().manual_seed(seed)
     device = target.device
     with torch.inference_mode():
-        start = _clock(device)
+        start = clock(device)
         layers = drafter.feature_layers if isinstance(drafter, FeatureDrafter) else ()
         # features: the target's chosen-layer states, for drafters that read them (EAGLE-3); else None
         cache, hidden, features = target.new_cache_with_features(prompt, layers, rollback=drafter is not None)
         token = choose_token(target.head(hidden[-1:], exact=not sampling.greedy)[0], sampling, generator)
         output = [token]
         stats.target_calls = stats.target_tokens = 1
-        stats.prefill_s = _clock(device) - start
+        stats.prefill_s = clock(device) - start
         if drafter is not None:
             drafter.start(prompt, features)
-            stats.draft_s += _clock(device) - start - stats.prefill_s
+            stats.draft_s += clock(device) - start - stats.prefill_s
         keep = should_stop(output) if should_stop else None
         last = (0, True)  # (accepted draft tokens, target token emitted) of the latest step
         while token not in eos and len(output) < max_new_tokens and keep is None:
@@ -190,16 +191,16 @@ def generate(
                 stats.target_tokens += 1
                 keep = should_stop(output) if should_stop else None
                 continue
-            t0 = _clock(device)
+            t0 = clock(device)
             draft = drafter.propose(token, min(draft_len, remaining - 1), sampling, generator)
-            t1 = _clock(device)
+            t1 = clock(device)
             n = int(draft.tokens.numel())
             verify_ids = torch.cat([prompt.new_tensor([token]), draft.tokens])
             hidden, features = target.hidden_and_features(verify_ids, cache, layers)
             verdict = verify_step(target, rule, hidden, draft, sampling, generator)
             rollback(cache, n - verdict.n_accepted)
             drafter.commit(verdict.n_accepted, None if features is None else features[: verdict.n_accepted + 1])
-            t2 = _clock(device)
+            t2 = clock(device)
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.target_calls += 1
@@ -222,6 +223,6 @@ def generate(
             keep = should_stop(output) if should_stop else None
         if keep is not None and keep < len(output):
             _cut_output(output, keep, stats, last[1])
-        stats.wall_s = _clock(device) - start
+        stats.wall_s = clock(device) - start
     stats.new_tokens = len(output)
     return GenerationResult(output, stats)

@@ -94,3 +94,25 @@ def test_figure_manifest_carries_the_run_record(tiny, tmp_path):
     assert manifest["parameters"] == {"k": 5} and manifest["run"]["device"] == "cpu"
     assert manifest["run"]["models"]["name"] == tiny.name and "argv" not in manifest["environment"]
     assert manifest["environment"]["git_revision"] == (manifest["run"]["revision"] or {}).get("text")
+
+
+def test_cpu_fields_are_the_first_processors_and_empty_without_the_file(monkeypatch, tmp_path):
+    from dropmatch import cpuinfo
+
+    listing = tmp_path / "cpuinfo"
+    listing.write_text("processor\t: 0\nmodel name\t: Big Core\nflags\t\t: fpu avx2\n\n"
+                       "processor\t: 1\nmodel name\t: Little Core\nflags\t\t: fpu\n")
+    real_open = open
+    monkeypatch.setattr(cpuinfo, "open", lambda path, *a, **k: real_open(listing if path == "/proc/cpuinfo" else path,
+                                                                         *a, **k), raising=False)
+    cpuinfo.cpu_fields.cache_clear()
+    try:
+        fields = cpuinfo.cpu_fields()
+        assert (fields["model name"], fields["flags"]) == ("Big Core", "fpu avx2")
+        with pytest.raises(TypeError):
+            fields["flags"] = "avx512f"  # shared by every caller: read-only
+        listing.unlink()
+        cpuinfo.cpu_fields.cache_clear()
+        assert dict(cpuinfo.cpu_fields()) == {}
+    finally:
+        cpuinfo.cpu_fields.cache_clear()

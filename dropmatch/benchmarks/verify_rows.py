@@ -4,31 +4,33 @@ the steps of lookup-first + EAGLE-3 drafting (the ``make bench-engine`` row) pro
     python -m dropmatch.benchmarks.verify_rows [--rounds 15] [--prompts 4] [--max-new-tokens 96]
                                                [--lookup-len 8] [--draft-stop 0.4] [--goal 2.0]
 
-1. **Cost by rows.** On the KV cache of the first bench-engine prompt, the target's trunk and its greedy
-   head run on n = 1 .. lookup-len + 1 rows (ids drawn from the vocabulary; the cache is rolled back after
-   each), every n once per round, interleaved, after a warm-up round. Per n: median ms of the trunk and the
-   head, their sum over the 1-row sum (pooled over rounds, 95 % paired bootstrap interval over rounds), and
-   ``tau for goal``: the tokens a step of n rows must emit for SD's decode to run ``--goal`` x AR's with
-   free drafting, ``goal x cost(n) / cost(1)``.
+1. **Cost by rows.** On the KV cache of the first bench-engine prompt, the target's trunk (with the EAGLE-3
+   head's feature layers, as SD runs it) and its greedy head run on n = 1 .. lookup-len + 1 rows (ids drawn
+   from the vocabulary; the cache is rolled back after each), every n once per round in a shuffled order,
+   after a warm-up round. Per n: median ms of the trunk and the head, their sum over the 1-row sum (pooled
+   over rounds, 95 % paired bootstrap interval over rounds), and ``tau for goal``: the tokens a step of n
+   rows must emit for SD's decode to run ``--goal`` x AR's with free drafting, ``goal x cost(n) / cost(1)``.
+   Not priced: the rule, the rollback and the drafter's commit (~1 ms a step).
 2. **The steps.** The bench-engine prompts decoded greedily by our AR and by lookup-first + EAGLE-3,
-   interleaved. Per proposer (n-gram lookup, or the EAGLE-3 head where nothing matched): its steps, the
-   tokens it drafted and the target kept per step, and the share of its steps that kept none. Then the
-   decode speedup over AR the steps predict from table 1 (AR: cost(1) a token; SD: cost(rows) a step plus
-   the measured drafting) beside the measured one, so the cost model can be checked before it is believed.
+   interleaved. Per proposer (n-gram lookup, the EAGLE-3 head where nothing matched, or none on a last step
+   with no room for a draft): its steps, the tokens it drafted and the target kept per step, and the share
+   of its steps that kept none. Then the decode speedup over AR that the steps predict (AR's measured time
+   a token, times each step's ``x 1 row``, plus the measured drafting) beside the measured one: a check of
+   the cost model before it is believed. Prefill is left out of both.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from ..drafters import Draft, LookupFirstDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
-from ..engine import generate
+from ..engine import clock, generate
 from ..errors import ConfigError
 from ..intervals import paired_ratio_ci
 from ..models import CausalLM, load_pair, rollback
@@ -37,34 +39,50 @@ from ..sampling import SamplingConfig
 from .common import format_table, gsm8k_fewshot_prompts
 
 
+class StepTimes(NamedTuple):
+    """Seconds of the trunk and of the greedy head, one entry per round."""
+
+    trunk_s: list[float]
+    head_s: list[float]
+
+
+class Step(NamedTuple):
+    """One verify step: who proposed its draft, how many tokens it drafted and how many the target kept."""
+
+    proposer: str
+    drafted: int
+    kept: int
+
+
 def verify_cost_by_rows(target: CausalLM, prompt: Sequence[int], rows: Sequence[int], rounds: int,
-                        seed: int = 0) -> dict[int, tuple[list[float], list[float]]]:
-    """Seconds of the trunk and of the greedy head on n rows after ``prompt``, per n: ``{n: (trunk s, head s)}``,
-    one entry per round (rows interleaved within a round; one warm-up round first, not kept)."""
+                        layers: Sequence[int] = (), seed: int = 0) -> dict[int, StepTimes]:
+    """The trunk (returning the states of ``layers`` too) and the greedy head on n rows after ``prompt``, per n
+    in ``rows``: ``{n: StepTimes}``. Each round times every n once, in a shuffled order; a first round is not
+    kept (warm-up)."""
     generator = torch.Generator().manual_seed(seed)
-    vocab = target.vocab_size
-    times: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in rows}
+    device = target.device
+    times = {n: StepTimes([], []) for n in rows}
     with torch.inference_mode():
-        cache, _ = target.new_cache(prompt_ids=torch.as_tensor(list(prompt), device=target.device))
+        cache, _, _ = target.new_cache_with_features(torch.as_tensor(list(prompt), device=device), layers)
         for round_ in range(rounds + 1):
-            for n in rows:
-                ids = torch.randint(0, vocab, (n,), generator=generator).to(target.device)
-                start = time.perf_counter()
-                hidden = target.hidden(ids, cache)
-                middle = time.perf_counter()
+            for i in torch.randperm(len(rows), generator=generator).tolist():
+                n = rows[i]
+                ids = torch.randint(0, target.vocab_size, (n,), generator=generator).to(device)
+                start = clock(device)
+                hidden, _ = target.hidden_and_features(ids, cache, layers)
+                middle = clock(device)
                 target.head(hidden, exact=False)
-                end = time.perf_counter()
+                end = clock(device)
                 rollback(cache, n)
                 if round_:
-                    times[n][0].append(middle - start)
-                    times[n][1].append(end - middle)
+                    times[n].trunk_s.append(middle - start)
+                    times[n].head_s.append(end - middle)
     return times
 
 
-def cost_table(times: dict[int, tuple[list[float], list[float]]], goal: float) -> list[dict]:
+def cost_table(times: dict[int, StepTimes], goal: float) -> list[dict]:
     """Table 1's rows from :func:`verify_cost_by_rows` (which must include n = 1)."""
-    trunk_1, head_1 = times[1]
-    base = [t + h for t, h in zip(trunk_1, head_1, strict=True)]
+    base = [t + h for t, h in zip(*times[1], strict=True)]
     table = []
     for n, (trunk, head) in times.items():
         total = [t + h for t, h in zip(trunk, head, strict=True)]
@@ -76,16 +94,19 @@ def cost_table(times: dict[int, tuple[list[float], list[float]]], goal: float) -
     return table
 
 
-class StepCensus:
-    """Wraps a :class:`~dropmatch.drafters.LookupFirstDrafter`: records for each proposal who made it (``lookup``
-    or the wrapped drafter's name) and how many tokens it drafted, and at its commit how many the target kept."""
+NO_DRAFT = "none (no room for a draft)"
+
+
+class ProposerLog:
+    """Wraps a :class:`~dropmatch.drafters.LookupFirstDrafter` and records who made each proposal: ``n-gram
+    lookup``, the wrapped drafter's name, or :data:`NO_DRAFT` where the engine asked for none (a last step).
+    The engine's statistics hold what each step drafted and kept (:func:`steps_of`)."""
 
     def __init__(self, drafter: LookupFirstDrafter):
         self.drafter, self.name = drafter, drafter.name
         if hasattr(drafter, "feature_layers"):
             self.feature_layers = drafter.feature_layers
-        self.steps: list[tuple[str, int, int]] = []  # (proposer, drafted, kept)
-        self._pending: tuple[str, int] | None = None
+        self.proposers: list[str] = []
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self.drafter.start(prompt_ids, features)
@@ -93,35 +114,42 @@ class StepCensus:
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         before = self.drafter.lookup_steps
         draft = self.drafter.propose(last_token, n, sampling, generator)
-        proposer = "n-gram lookup" if self.drafter.lookup_steps > before else self.drafter.drafter.name
-        self._pending = (proposer, int(draft.tokens.numel()))
+        if self.drafter.lookup_steps > before:
+            self.proposers.append("n-gram lookup")
+        else:
+            self.proposers.append(self.drafter.drafter.name if draft.tokens.numel() else NO_DRAFT)
         return draft
 
     def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
-        assert self._pending is not None, "commit without a proposal"
-        self.steps.append((*self._pending, n_accepted))
-        self._pending = None
         self.drafter.commit(n_accepted, features)
 
 
-def census_table(steps: Sequence[tuple[str, int, int]]) -> list[dict]:
-    """Table 2's rows: per proposer and in all, steps, drafted and kept tokens per step, share keeping none,
-    and the verify rows (drafted + 1) per step."""
-    groups = {name: [s for s in steps if s[0] == name] for name in sorted({s[0] for s in steps})}
+def steps_of(log: ProposerLog, stats) -> list[Step]:
+    """The steps of one generation: ``log``'s proposers beside the engine's drafted and kept counts (kept is cut
+    at an EOS, as in the output)."""
+    return [Step(*step) for step in zip(log.proposers, stats.drafted_per_step, stats.accepted_per_step, strict=True)]
+
+
+def census_table(steps: Sequence[Step]) -> list[dict]:
+    """Table 2's rows: per proposer and over all steps, the steps, drafted and kept tokens per step, the tokens a
+    step emits (kept + the target's own; one too many on a step that ended at an EOS) and the share of steps
+    that kept none."""
+    groups = {name: [s for s in steps if s.proposer == name] for name in sorted({s.proposer for s in steps})}
     groups["all steps"] = list(steps)
-    return [{"proposer": name, "steps": len(group), "drafted/step": sum(d for _, d, _ in group) / len(group),
-             "kept/step": sum(k for _, _, k in group) / len(group),
-             "tokens/step": 1 + sum(k for _, _, k in group) / len(group),
-             "kept none": sum(k == 0 for _, _, k in group) / len(group)}
+    return [{"proposer": name, "steps": len(group), "drafted/step": sum(s.drafted for s in group) / len(group),
+             "kept/step": sum(s.kept for s in group) / len(group),
+             "tokens/step": 1 + sum(s.kept for s in group) / len(group),
+             "kept none": sum(s.kept == 0 for s in group) / len(group)}
             for name, group in groups.items() if group]
 
 
-def predicted_speedup(steps: Sequence[tuple[str, int, int]], step_ms: dict[int, float], ar_tokens: int,
+def predicted_speedup(steps: Sequence[Step], step_cost: dict[int, float], ar_s_per_token: float, ar_tokens: int,
                       draft_s: float) -> float:
-    """Decode speedup over AR by the cost model: AR spends ``step_ms[1]`` on each of its ``ar_tokens`` decode
-    tokens; SD ``step_ms[drafted + 1]`` on each verify step plus ``draft_s`` of drafting in all."""
-    sd_s = sum(step_ms[d + 1] for _, d, _ in steps) / 1e3 + draft_s
-    return ar_tokens * step_ms[1] / 1e3 / sd_s
+    """Decode speedup over AR by the cost model: AR spends ``ar_s_per_token`` s on each of ``ar_tokens`` tokens, SD
+    ``step_cost[drafted + 1]`` (a step of that many rows over a 1-row step) times as much on each verify step,
+    plus ``draft_s`` s of drafting in all."""
+    sd_s = ar_s_per_token * sum(step_cost[s.drafted + 1] for s in steps) + draft_s
+    return ar_tokens * ar_s_per_token / sd_s
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,44 +171,45 @@ def main(argv: list[str] | None = None) -> None:
     if head_dir is None:
         raise ConfigError(f"no committed EAGLE-3 head for {pair.name} (make train-draft)")
     head = load_head(head_dir, target, dtype=drafting_dtype(target))
-    prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
-    rows = list(range(1, args.lookup_len + 2))
 
-    times = verify_cost_by_rows(target, prompts[0], rows, args.rounds)
+    def lookup_first() -> ProposerLog:
+        return ProposerLog(LookupFirstDrafter(Eagle3Drafter(head, target, args.draft_stop)))
+
+    prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
+    times = verify_cost_by_rows(target, prompts[0], range(1, args.lookup_len + 2), args.rounds,
+                                lookup_first().feature_layers)
     costs = cost_table(times, args.goal)
     print(f"# verify step cost by rows: a {len(prompts[0])}-token prompt's cache, {args.rounds} rounds; "
           f"{machine_line()}")
     print(format_table(costs, list(costs[0])))
 
-    def lookup_first() -> StepCensus:
-        return StepCensus(LookupFirstDrafter(Eagle3Drafter(head, target, args.draft_stop)))
-
     generate(target, prompts[0][:64], drafter=lookup_first(), draft_len=args.lookup_len, max_new_tokens=8)
-    steps: list[tuple[str, int, int]] = []
+    steps: list[Step] = []
     ar_s = sd_s = draft_s = 0.0
     ar_tokens = sd_tokens = 0
     for ids in prompts:  # interleaved prompt by prompt
         ar = generate(target, ids, max_new_tokens=args.max_new_tokens, eos_token_ids=pair.eos_token_ids)
-        census = lookup_first()
-        sd = generate(target, ids, drafter=census, draft_len=args.lookup_len, max_new_tokens=args.max_new_tokens,
+        log = lookup_first()
+        sd = generate(target, ids, drafter=log, draft_len=args.lookup_len, max_new_tokens=args.max_new_tokens,
                       eos_token_ids=pair.eos_token_ids)
         if sd.token_ids != ar.token_ids:
             raise SystemExit("lookup-first + EAGLE-3 differs from greedy decoding")
-        steps += census.steps
+        steps += steps_of(log, sd.stats)
         ar_s += ar.stats.wall_s - ar.stats.prefill_s
         sd_s += sd.stats.wall_s - sd.stats.prefill_s
         draft_s += sd.stats.draft_s
         ar_tokens += ar.stats.decode_tokens
         sd_tokens += sd.stats.decode_tokens
-    step_ms = {row["rows"]: row["step ms"] for row in costs}
     print(f"\n# the steps of lookup-first + EAGLE-3 (L<={args.lookup_len}, stop below p={args.draft_stop:g}): "
           f"{len(prompts)} bench-engine prompts x {args.max_new_tokens} new tokens, greedy")
-    census_rows = census_table(steps)
-    print(format_table(census_rows, list(census_rows[0])))
+    census = census_table(steps)
+    print(format_table(census, list(census[0])))
     measured = (sd_tokens / sd_s) / (ar_tokens / ar_s)
-    print(f"\ndecode speedup over AR: measured {measured:.2f}x, predicted by table 1 "
-          f"{predicted_speedup(steps, step_ms, ar_tokens, draft_s):.2f}x "
-          f"(drafting {1e3 * draft_s / max(len(steps), 1):.1f} ms a step; prefill excluded)")
+    predicted = predicted_speedup(steps, {row["rows"]: row["x 1 row"] for row in costs}, ar_s / ar_tokens,
+                                  ar_tokens, draft_s)
+    print(f"\ndecode speedup over AR: measured {measured:.2f}x, predicted {predicted:.2f}x from table 1 and this "
+          f"run's AR token ({1e3 * ar_s / ar_tokens:.1f} ms) and drafting ({1e3 * draft_s / len(steps):.1f} ms a "
+          f"step); prefill excluded")
 
 
 if __name__ == "__main__":
