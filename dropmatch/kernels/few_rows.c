@@ -21,11 +21,12 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 
-#define MAX_ROWS 6 /* rows of x a pass holds (AVX2 EPYC: 12 no faster at 9 rows, slower at 16) */
+#define MAX_ROWS 12 /* rows of x a pass holds: a verify step of up to 12 rows reads W once (AVX2 EPYC, trunk
+                     * + head: 8 and 9 rows 4-6 % faster than passes of 6 + 2 and 6 + 3 rows; 1 row the same) */
 #define CHUNK 16    /* W rows a thread takes at a time (every pass over x re-reads them from cache) */
 #define AHEAD 4     /* W rows prefetched ahead of the one being read */
 #define AHEAD_OF(nb) (AHEAD > (nb) ? AHEAD : (nb)) /* from a block of nb rows: AHEAD rows on, or the next block */
-_Static_assert(MAX_ROWS == 6, "pass() has a case for each of 1 .. MAX_ROWS rows");
+_Static_assert(MAX_ROWS == 12, "pass() has a case for each of 1 .. MAX_ROWS rows");
 
 static inline v8 load8(const float *p)
 {
@@ -84,9 +85,9 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
         }
 }
 
-/* W rows [0, n) times mb (<= MAX_ROWS) rows of x: four W rows at a time for up to 3 rows of x, else two (the
- * compiler keeps what does not fit the 16 vector registers as memory operands). W holds rest >= n rows from w on:
- * a block prefetches the rows AHEAD (or its nb) rows on where W holds them, else its own. */
+/* W rows [0, n) times mb (<= MAX_ROWS) rows of x: four W rows at a time for up to 3 rows of x, two for 4-6, one
+ * for 7-12 (the compiler keeps what does not fit the 16 vector registers as memory operands). W holds rest >= n
+ * rows from w on: a block prefetches the rows AHEAD (or its nb) rows on where W holds them, else its own. */
 static void pass(const float *x, long ldx, const float *w, long n, long rest, long ldw, long k, const float *bias,
                  float *y, long ldy, long mb)
 {
@@ -104,6 +105,7 @@ static void pass(const float *x, long ldx, const float *w, long n, long rest, lo
         break;                                                                                                 \
     }
         PASS(1, 4) PASS(2, 4) PASS(3, 4) PASS(4, 2) PASS(5, 2) PASS(6, 2)
+        PASS(7, 1) PASS(8, 1) PASS(9, 1) PASS(10, 1) PASS(11, 1) PASS(12, 1)
 #undef PASS
 #undef BLOCK
     }
