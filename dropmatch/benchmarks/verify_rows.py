@@ -35,6 +35,7 @@ from ..errors import ConfigError
 from ..intervals import paired_ratio_ci
 from ..models import CausalLM, load_pair, rollback
 from ..provenance import machine_line
+from ..runner import merge_stats
 from ..sampling import SamplingConfig
 from .common import format_table, gsm8k_fewshot_prompts
 
@@ -185,8 +186,7 @@ def main(argv: list[str] | None = None) -> None:
 
     generate(target, prompts[0][:64], drafter=lookup_first(), draft_len=args.lookup_len, max_new_tokens=8)
     steps: list[Step] = []
-    ar_s = sd_s = draft_s = 0.0
-    ar_tokens = sd_tokens = 0
+    ar_parts, sd_parts = [], []
     for ids in prompts:  # interleaved prompt by prompt
         ar = generate(target, ids, max_new_tokens=args.max_new_tokens, eos_token_ids=pair.eos_token_ids)
         log = lookup_first()
@@ -195,21 +195,19 @@ def main(argv: list[str] | None = None) -> None:
         if sd.token_ids != ar.token_ids:
             raise SystemExit("lookup-first + EAGLE-3 differs from greedy decoding")
         steps += steps_of(log, sd.stats)
-        ar_s += ar.stats.wall_s - ar.stats.prefill_s
-        sd_s += sd.stats.wall_s - sd.stats.prefill_s
-        draft_s += sd.stats.draft_s
-        ar_tokens += ar.stats.decode_tokens
-        sd_tokens += sd.stats.decode_tokens
+        ar_parts.append(ar.stats)
+        sd_parts.append(sd.stats)
+    ar, sd = merge_stats(ar_parts), merge_stats(sd_parts)
     print(f"\n# the steps of lookup-first + EAGLE-3 (L<={args.lookup_len}, stop below p={args.draft_stop:g}): "
           f"{len(prompts)} bench-engine prompts x {args.max_new_tokens} new tokens, greedy")
     census = census_table(steps)
     print(format_table(census, list(census[0])))
-    measured = (sd_tokens / sd_s) / (ar_tokens / ar_s)
-    predicted = predicted_speedup(steps, {row["rows"]: row["x 1 row"] for row in costs}, ar_s / ar_tokens,
-                                  ar_tokens, draft_s)
-    print(f"\ndecode speedup over AR: measured {measured:.2f}x, predicted {predicted:.2f}x from table 1 and this "
-          f"run's AR token ({1e3 * ar_s / ar_tokens:.1f} ms) and drafting ({1e3 * draft_s / len(steps):.1f} ms a "
-          f"step); prefill excluded")
+    ar_token_s = ar.decode_s / ar.decode_tokens
+    predicted = predicted_speedup(steps, {row["rows"]: row["x 1 row"] for row in costs}, ar_token_s,
+                                  ar.decode_tokens, sd.draft_s)
+    print(f"\ndecode speedup over AR: measured {sd.decode_tokens_per_s / ar.decode_tokens_per_s:.2f}x, predicted "
+          f"{predicted:.2f}x from table 1 and this run's AR token ({1e3 * ar_token_s:.1f} ms) and drafting "
+          f"({1e3 * sd.draft_s / len(steps):.1f} ms a step); prefill excluded")
 
 
 if __name__ == "__main__":
