@@ -6,8 +6,9 @@
  * contributes the same vector to each. The caller sorts the union of the dropped columns into groups, one per
  * set of heads that drop them (at most 2^K - 1); each group's sum is computed once and added to its heads (a
  * group of one head is summed straight into that head's: the caller orders the groups by their heads' bit
- * pattern, so a head's own group comes first and starts its sum, as the kernel's first version computed it). At K = 5 and p_drop 0.3 that is ~540 column products
- * a token instead of ~960 (fbgemm's embedding bags, one bag a head, read a column once per head that drops it).
+ * pattern, so a head's own group comes first and starts its sum, as the kernel's first version computed it).
+ * At K = 5 and p_drop 0.3 that is ~540 column products a token instead of ~960 (fbgemm's embedding bags, one bag
+ * a head, read a column once per head that drops it).
  * The vocabulary is cut into tiles of TILE tokens, each finished by one thread in the output itself (which stays
  * in the L2 cache meanwhile); a group's sum runs through its columns four at a time in registers, 8 tokens a
  * vector (bytes widened to float32 exactly).
