@@ -79,6 +79,10 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
                              "where it occurred before (prompt lookup), the draft only where none did")
     parser.add_argument("--lookup-min", type=int, default=d.lookup_min,
                         help="with --lookup-first: the shortest n-gram that counts as a match")
+    parser.add_argument("--lookup-guide", type=float, metavar="P",
+                        help="with --draft eagle3 --lookup-first: the head's first token picks among the lookup "
+                             "matches, and its own draft replaces a disagreeing lookup where that token's draft "
+                             "probability is at least P (e.g. 0.5)")
 
 
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:
@@ -101,6 +105,7 @@ def method_config(args: argparse.Namespace) -> MethodConfig:
         typical_delta=args.typical_delta, divergence=args.divergence,
         divergence_threshold=args.divergence_threshold, ngram_max=args.ngram_max,
         lookup_first=args.lookup_first, lookup_min=args.lookup_min,
+        lookup_guide=args.lookup_guide,
         fly_entropy=args.fly_entropy, fly_window=args.fly_window, ensemble_weight=args.ensemble_weight,
         judge_path=args.judge_path, judge_threshold=args.judge_threshold,
     )

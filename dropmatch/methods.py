@@ -61,9 +61,9 @@ LABEL_SHOWN: dict[str, tuple[str, ...]] = {
 EAGLE3_FIELDS = ("draft_head",)  # fields that only the EAGLE-3 drafter reads
 STOPPING_DRAFTERS = ("model", "eagle3")  # drafters that read draft_stop (a confidence stop needs a draft distribution)
 FOLLOWING_DRAFTERS = ("model", "eagle3")  # drafters that lookup_first can fall back to
-LOOKUP_FIELDS = ("lookup_min",)  # fields that only lookup-first drafting reads
+LOOKUP_FIELDS = ("lookup_min", "lookup_guide")  # fields that only lookup-first drafting reads
 # fields left out of MethodConfig.to_dict at their defaults (added later: older results keep their keys)
-KEY_NEUTRAL = ("draft_stop", "lookup_first", "lookup_min")
+KEY_NEUTRAL = ("draft_stop", "lookup_first", "lookup_min", "lookup_guide")
 
 
 @dataclass
@@ -102,6 +102,9 @@ class MethodConfig:
     # only where no such n-gram occurred before (LookupFirstDrafter)
     lookup_first: bool = False
     lookup_min: int = 2
+    # EAGLE-3 with lookup first: the head's first token picks among the lookup matches, and its own chain
+    # replaces a disagreeing lookup at this draft probability or more (None: the latest match, head idle)
+    lookup_guide: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,6 +131,11 @@ class MethodConfig:
                               f"{self.draft!r}")
         if self.lookup_min != _default("lookup_min") and not self.lookup_first:
             raise ConfigError("--lookup-min sets the shortest match of --lookup-first: pass it with --lookup-first")
+        if self.lookup_guide is not None and not (self.lookup_first and self.draft == "eagle3"):
+            raise ConfigError("--lookup-guide lets the EAGLE-3 head choose between lookup matches: pass it with "
+                              "--draft eagle3 --lookup-first")
+        if self.lookup_guide is not None and not 0.0 <= self.lookup_guide <= 1.0:
+            raise ConfigError(f"--lookup-guide is a draft probability in [0, 1], got {self.lookup_guide!r}")
         if not 1 <= self.lookup_min <= self.ngram_max:
             raise ConfigError(f"--lookup-min must be in 1..--ngram-max ({self.ngram_max}), got {self.lookup_min}")
         if self.method.startswith("judge") and not self.judge_path:
@@ -271,7 +279,9 @@ def build_drafter(pair: ModelPair, config: MethodConfig) -> Drafter | None:
         raise ConfigError("this method needs a draft model: load the pair with a draft, or use --draft ngram")
     else:
         drafter = ModelDrafter(pair.draft, config.draft_stop)
-    return LookupFirstDrafter(drafter, config.ngram_max, config.lookup_min) if config.lookup_first else drafter
+    if not config.lookup_first:
+        return drafter
+    return LookupFirstDrafter(drafter, config.ngram_max, config.lookup_min, guide_at=config.lookup_guide)
 
 
 _EAGLE3_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {source: head}

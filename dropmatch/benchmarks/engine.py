@@ -15,7 +15,8 @@ reports) and with proposals that end after a draft token below ``--draft-stop`` 
 like HF's assistant confidence threshold; lossless, the stop depends on the draft alone). Lookup-first
 rows (``--lookup-first``: n-gram lookup where the context's last bigram or trigram occurred before, the
 EAGLE-3 head elsewhere) run at ``--lookup-len``, beside the same lookup alone at that length, so the head's
-share of the gain shows.
+share of the gain shows; the guided row lets the head pick between lookup matches (``--lookup-guide``, see
+:class:`~dropmatch.drafters.LookupFirstDrafter`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lookup-len", type=int, default=8,
                         help="draft length of the lookup-first and matching n-gram rows (lookup drafts cost nothing "
                              "to propose, so longer copied spans pay)")
+    parser.add_argument("--lookup-guide", type=float, default=0.5,
+                        help="the guided lookup-first row: the EAGLE-3 head's own draft replaces a disagreeing lookup "
+                             "where its first token's draft probability is at least this")
     parser.add_argument("--only", nargs="+", help="rows whose name contains one of these (HF plain is always run)")
     args = parser.parse_args(argv)
 
@@ -108,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
             pair, lambda: NgramDrafter(min_ngram=2), lookup_len)
         methods[f"ours SD (lookup-first + EAGLE-3, L<={lookup_len}, stop below p={args.draft_stop:g})"] = _our_runner(
             pair, lambda: LookupFirstDrafter(Eagle3Drafter(eagle3, pair.target, args.draft_stop)), lookup_len)
+        methods[f"ours SD (lookup-first + EAGLE-3 guided at p={args.lookup_guide:g}, L<={lookup_len}, stop below "
+                f"p={args.draft_stop:g})"] = _our_runner(
+            pair, lambda: LookupFirstDrafter(Eagle3Drafter(eagle3, pair.target, args.draft_stop),
+                                             guide_at=args.lookup_guide), lookup_len)
     if args.only:
         methods = {k: v for k, v in methods.items() if k == "HF generate (plain)" or any(s in k for s in args.only)}
     prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]

@@ -2,7 +2,7 @@
 the steps of lookup-first + EAGLE-3 drafting (the ``make bench-engine`` row) propose and keep.
 
     python -m dropmatch.benchmarks.verify_rows [--rounds 15] [--prompts 4] [--max-new-tokens 96]
-                                               [--lookup-len 8] [--draft-stop 0.4] [--goal 2.0]
+                                               [--lookup-len 8] [--draft-stop 0.4] [--lookup-guide 0.5] [--goal 2.0]
 
 1. **Cost by rows.** On the KV cache of the first bench-engine prompt, the target's trunk (with the EAGLE-3
    head's feature layers, as SD runs it) and its greedy head run on n = 1 .. lookup-len + 1 rows (ids drawn
@@ -11,8 +11,9 @@ the steps of lookup-first + EAGLE-3 drafting (the ``make bench-engine`` row) pro
    over rounds, 95 % paired bootstrap interval over rounds), and ``tau for goal``: the tokens a step of n
    rows must emit for SD's decode to run ``--goal`` x AR's with free drafting, ``goal x cost(n) / cost(1)``.
    Not priced: the rule, the rollback and the drafter's commit (~1 ms a step).
-2. **The steps.** The bench-engine prompts decoded greedily by our AR and by lookup-first + EAGLE-3,
-   interleaved. Per proposer (n-gram lookup, the EAGLE-3 head where nothing matched, or none on a last step
+2. **The steps.** The bench-engine prompts decoded greedily by our AR and by lookup-first + EAGLE-3, plain
+   and guided by the head (``--lookup-guide``, see :class:`~dropmatch.drafters.LookupFirstDrafter`),
+   interleaved. For each drafting, per proposer (n-gram lookup, the EAGLE-3 head where nothing matched, or none on a last step
    with no room for a draft): its steps, the tokens it drafted and the target kept per step, and the share
    of its steps that kept none. Then the decode speedup over AR that the steps predict (AR's measured time
    a token, times each step's ``x 1 row``, plus the measured drafting) beside the measured one: a check of
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--lookup-len", type=int, default=8, help="draft length of lookup-first (as bench-engine)")
     parser.add_argument("--draft-stop", type=float, default=0.4, help="the EAGLE-3 head's confidence stop")
+    parser.add_argument("--lookup-guide", type=float, default=0.5,
+                        help="the guided rows' threshold: the head's own draft replaces a disagreeing lookup where "
+                             "its first token's draft probability is at least this")
     parser.add_argument("--goal", type=float, default=2.0, help="the decode speedup over AR table 1 prices in tau")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.prompts < 1 or args.lookup_len < 1:
@@ -173,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(f"no committed EAGLE-3 head for {pair.name} (make train-draft)")
     head = load_head(head_dir, target, dtype=drafting_dtype(target))
 
-    def lookup_first() -> ProposerLog:
-        return ProposerLog(LookupFirstDrafter(Eagle3Drafter(head, target, args.draft_stop)))
+    def lookup_first(guide_at: float | None = None) -> ProposerLog:
+        return ProposerLog(LookupFirstDrafter(Eagle3Drafter(head, target, args.draft_stop), guide_at=guide_at))
 
     prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
     times = verify_cost_by_rows(target, prompts[0], range(1, args.lookup_len + 2), args.rounds,
@@ -184,31 +188,36 @@ def main(argv: list[str] | None = None) -> None:
           f"{machine_line()}")
     print(format_table(costs, list(costs[0])))
 
-    generate(target, prompts[0][:64], drafter=lookup_first(), draft_len=args.lookup_len, max_new_tokens=8)
-    steps: list[Step] = []
-    ar_parts, sd_parts = [], []
+    guides = {"lookup-first + EAGLE-3": None, f"lookup-first + EAGLE-3, guided at p={args.lookup_guide:g}":
+              args.lookup_guide}
+    for guide_at in guides.values():
+        generate(target, prompts[0][:64], drafter=lookup_first(guide_at), draft_len=args.lookup_len, max_new_tokens=8)
+    steps: dict[str, list[Step]] = {name: [] for name in guides}
+    ar_parts, sd_parts = [], {name: [] for name in guides}
     for ids in prompts:  # interleaved prompt by prompt
         ar = generate(target, ids, max_new_tokens=args.max_new_tokens, eos_token_ids=pair.eos_token_ids)
-        log = lookup_first()
-        sd = generate(target, ids, drafter=log, draft_len=args.lookup_len, max_new_tokens=args.max_new_tokens,
-                      eos_token_ids=pair.eos_token_ids)
-        if sd.token_ids != ar.token_ids:
-            raise SystemExit("lookup-first + EAGLE-3 differs from greedy decoding")
-        steps += steps_of(log, sd.stats)
         ar_parts.append(ar.stats)
-        sd_parts.append(sd.stats)
-    ar, sd = merge_stats(ar_parts), merge_stats(sd_parts)
-    print(f"\n# the steps of lookup-first + EAGLE-3 (L<={args.lookup_len}, stop below p={args.draft_stop:g}): "
-          f"{len(prompts)} bench-engine prompts x {args.max_new_tokens} new tokens, greedy")
-    census = census_table(steps)
-    print(format_table(census, list(census[0])))
+        for name, guide_at in guides.items():
+            log = lookup_first(guide_at)
+            sd = generate(target, ids, drafter=log, draft_len=args.lookup_len, max_new_tokens=args.max_new_tokens,
+                          eos_token_ids=pair.eos_token_ids)
+            if sd.token_ids != ar.token_ids:
+                raise SystemExit(f"{name} differs from greedy decoding")
+            steps[name] += steps_of(log, sd.stats)
+            sd_parts[name].append(sd.stats)
+    ar = merge_stats(ar_parts)
     ar_token_s = ar.decode_s / ar.decode_tokens
-    predicted = predicted_speedup(steps, {row["rows"]: row["x 1 row"] for row in costs}, ar_token_s,
-                                  ar.decode_tokens, sd.draft_s)
-    print(f"\ndecode speedup over AR: measured {sd.decode_tokens_per_s / ar.decode_tokens_per_s:.2f}x, predicted "
-          f"{predicted:.2f}x from table 1 and this run's AR token ({1e3 * ar_token_s:.1f} ms) and drafting "
-          f"({1e3 * sd.draft_s / len(steps):.1f} ms a step); prefill excluded")
-
+    for name in guides:
+        sd = merge_stats(sd_parts[name])
+        print(f"\n# the steps of {name} (L<={args.lookup_len}, stop below p={args.draft_stop:g}): "
+              f"{len(prompts)} bench-engine prompts x {args.max_new_tokens} new tokens, greedy")
+        census = census_table(steps[name])
+        print(format_table(census, list(census[0])))
+        predicted = predicted_speedup(steps[name], {row["rows"]: row["x 1 row"] for row in costs}, ar_token_s,
+                                      ar.decode_tokens, sd.draft_s)
+        print(f"\ndecode speedup over AR: measured {sd.decode_tokens_per_s / ar.decode_tokens_per_s:.2f}x, predicted "
+              f"{predicted:.2f}x from table 1 and this run's AR token ({1e3 * ar_token_s:.1f} ms) and drafting "
+              f"({1e3 * sd.draft_s / len(steps[name]):.1f} ms a step); prefill excluded")
 
 if __name__ == "__main__":
     main()

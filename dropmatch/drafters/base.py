@@ -74,3 +74,13 @@ class FollowingDrafter(Protocol):
     def follow(self, last_token: int, tokens: list[int]) -> None:
         """Instead of ``propose``: another drafter proposed ``tokens`` after ``last_token``. The next
         ``commit`` says how many of them the target kept (with their features, for a :class:`FeatureDrafter`)."""
+
+
+@runtime_checkable
+class GuessingDrafter(Protocol):
+    """A :class:`FollowingDrafter` that can say its first token before choosing to propose or follow
+    (guided lookup, :class:`~dropmatch.drafters.lookup_first.LookupFirstDrafter`)."""
+
+    def first_guess(self, last_token: int) -> tuple[int, float]:
+        """Its greedy first draft token after ``last_token`` and that token's draft probability; the step's
+        ``propose`` or ``follow`` (for the same ``last_token``) then goes on from there."""

@@ -600,6 +600,7 @@ class Eagle3Drafter:
         self._proposed: list[int] = []
         self._following = False  # the last step's proposal came from another drafter (``follow``)
         self._rows = 0
+        self._guess: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (last token, root state, logits)
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         """``features`` (n, 3 d_t): the target's chosen-layer states at the prompt positions."""
@@ -607,7 +608,7 @@ class Eagle3Drafter:
             raise ConfigError("the EAGLE-3 drafter needs the target's features (use dropmatch.engine.generate)")
         self.cache = Eagle3Cache(self.head.config.sliding_window)
         self._feats, self._tokens = features, prompt_ids.view(-1)[1:].tolist()
-        self._proposed, self._following, self._rows = [], False, 0
+        self._proposed, self._following, self._rows, self._guess = [], False, 0, None
 
     def _forward(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
         """Feed rows at positions start.. into the cache; return the last row's state (1, 1, d)."""
@@ -639,18 +640,40 @@ class Eagle3Drafter:
         probs = sampling.probs(self._in_target_vocab(draft_logits[None])[0])
         return int(sample_with_uniform(probs, torch.rand((), generator=generator))), probs
 
-    def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
+    def _root(self, last_token: int) -> torch.Tensor:
+        """Feed the waiting rows, the last one with ``last_token``; the root's output state (1, 1, d)."""
         tokens = self._tokens + [last_token]
         assert self._feats is not None and self._feats.shape[0] == len(tokens), "start/commit out of step"
         state = self._forward(tokens, self._feats, self._rows)
         self._rows += len(tokens)
         self._feats, self._tokens = None, []
+        return state
+
+    def first_guess(self, last_token: int) -> tuple[int, float]:
+        """The head's greedy first draft token after ``last_token`` and its draft probability, computed as
+        the start of this step (the root's rows are fed once): ``propose`` continues from it, or ``follow``
+        takes another drafter's tokens instead."""
+        state = self._root(last_token)
+        logits = self._draft_logits(state)
+        self._guess = (last_token, state, logits)
+        token = int(self._ids[logits.argmax()])
+        return token, draft_confidence(logits, token, SamplingConfig())
+
+    def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
+        guess, self._guess = self._guess, None
+        if guess is not None:
+            assert guess[0] == last_token, "first_guess and propose for different tokens"
+            state, first_logits = guess[1], guess[2]
+        else:
+            state = self._root(last_token)
+            first_logits = self._draft_logits(state) if n > 0 else None
         proposed: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(max(n, 0)):
             if i:
                 state = self._forward([proposed[-1]], state, self._rows + i - 1)
-            token, row = self._choose(self._draft_logits(state), i, sampling, generator)
+            draft_logits = self._draft_logits(state) if i else first_logits
+            token, row = self._choose(draft_logits, i, sampling, generator)
             rows.append(row)
             proposed.append(token)
             if self.stop_below is not None and draft_confidence(row, token, sampling) < self.stop_below:
@@ -665,9 +688,15 @@ class Eagle3Drafter:
         return Draft(ids, probs=torch.stack(rows).to(device))
 
     def follow(self, last_token: int, tokens: list[int]) -> None:
-        """Another drafter proposes ``tokens`` this step: the head runs nothing. The rows waiting for
+        """Another drafter proposes ``tokens`` this step. The head runs nothing: the rows waiting for
         ``last_token`` get it, and ``commit`` queues the kept tokens' rows behind them, so the next
-        ``propose`` feeds them all in one forward."""
+        ``propose`` feeds them all in one forward. After a :meth:`first_guess` those rows are already fed,
+        and ``commit`` goes on as after ``propose``."""
+        guess, self._guess = self._guess, None
+        if guess is not None:
+            assert guess[0] == last_token, "first_guess and follow for different tokens"
+            self._proposed = list(tokens)
+            return
         assert self._feats is not None and self._feats.shape[0] == len(self._tokens) + 1, "start/commit out of step"
         self._tokens.append(last_token)
         self._proposed, self._following = list(tokens), True

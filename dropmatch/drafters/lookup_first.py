@@ -14,8 +14,8 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling import SamplingConfig
-from .base import Draft, Drafter, FeatureDrafter, FollowingDrafter
-from .ngram import check_ngram_sizes, lookup
+from .base import Draft, Drafter, FeatureDrafter, FollowingDrafter, GuessingDrafter
+from .ngram import check_ngram_sizes, lookup_candidates
 
 
 class LookupFirstDrafter:
@@ -25,14 +25,27 @@ class LookupFirstDrafter:
     ``drafter`` must implement :class:`FollowingDrafter`: on lookup steps it runs nothing and queues the
     context it missed for its next proposal. ``lookup_steps`` / ``drafter_steps`` count the proposals each
     made since construction (across prompts when a ``Decoder`` reuses the drafter).
+
+    ``guide_at`` (a probability; drafters with a :class:`GuessingDrafter` ``first_guess``, i.e. the EAGLE-3
+    head): where lookup finds matches, the drafter guesses its first token, and of all the matches (longest
+    n-gram first, then the most recent) the first whose next token is that guess is proposed. Where none
+    is, the drafter's own chain is proposed if its guess has at least this draft probability, else the
+    latest match as without guidance. On GSM8K the head's guess settles between the matches, and is often
+    right where lookup's latest match is wrong (``make bench-verify-rows``). The choice depends on the
+    draft alone, so greedy SD still equals AR and speculative sampling stays lossless.
     """
 
-    def __init__(self, drafter: Drafter, max_ngram: int = 3, min_match: int = 2):
+    def __init__(self, drafter: Drafter, max_ngram: int = 3, min_match: int = 2, guide_at: float | None = None):
         if not isinstance(drafter, FollowingDrafter):
             raise ConfigError(f"lookup-first drafting needs a drafter that can follow another's proposals "
                               f"(model or eagle3), not {getattr(drafter, 'name', type(drafter).__name__)!r}")
+        if guide_at is not None and not isinstance(drafter, GuessingDrafter):
+            raise ConfigError(f"guided lookup needs a drafter that guesses its first token (eagle3), not "
+                              f"{getattr(drafter, 'name', type(drafter).__name__)!r}")
         check_ngram_sizes(min_match, max_ngram)
-        self.drafter, self.max_ngram, self.min_match = drafter, max_ngram, min_match
+        if guide_at is not None and not 0.0 <= guide_at <= 1.0:
+            raise ConfigError(f"the lookup guide (--lookup-guide) is a draft probability in [0, 1], got {guide_at!r}")
+        self.drafter, self.max_ngram, self.min_match, self.guide_at = drafter, max_ngram, min_match, guide_at
         self.name = f"ngram+{drafter.name}"
         if isinstance(drafter, FeatureDrafter):  # the engine then computes the features the drafter reads
             self.feature_layers = drafter.feature_layers
@@ -47,7 +60,7 @@ class LookupFirstDrafter:
 
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         self.context.append(last_token)
-        tokens = lookup(self.context, n, self.max_ngram, self.min_match)
+        tokens = self._lookup(last_token, n)
         if tokens:
             self.drafter.follow(last_token, tokens)
             self.lookup_steps += 1
@@ -57,6 +70,21 @@ class LookupFirstDrafter:
         self.drafter_steps += n > 0
         self._proposed = draft.tokens.tolist()
         return draft
+
+    def _lookup(self, last_token: int, n: int) -> list[int]:
+        """This step's lookup proposal (tokens after the context, which ends in ``last_token``); empty where
+        the drafter proposes instead."""
+        matches = lookup_candidates(self.context, n, self.max_ngram, self.min_match)
+        latest = next(matches, [])
+        if not latest or self.guide_at is None:
+            return latest
+        guess, confidence = self.drafter.first_guess(last_token)
+        if latest[0] == guess:
+            return latest
+        agreeing = next((tokens for tokens in matches if tokens[0] == guess), None)
+        if agreeing is not None:
+            return agreeing
+        return [] if confidence >= self.guide_at else latest
 
     def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
         self.context.extend(self._proposed[:n_accepted])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -50,8 +50,15 @@ def check_ngram_sizes(min_ngram: int, max_ngram: int) -> None:
 def lookup(context: Sequence[int], n: int, max_ngram: int, min_ngram: int = 1, earliest: bool = False) -> list[int]:
     """Tokens following the most recent (``earliest``: the first) earlier match of the longest matching
     suffix n-gram; up to ``n`` of them."""
+    return next(lookup_candidates(context, n, max_ngram, min_ngram, earliest), [])
+
+
+def lookup_candidates(context: Sequence[int], n: int, max_ngram: int, min_ngram: int = 1,
+                      earliest: bool = False) -> Iterator[list[int]]:
+    """Every earlier match of a suffix n-gram of ``context``, as the up to ``n`` tokens that followed it:
+    longer n-grams first, and for each the most recent match first (``earliest``: the first)."""
     if n <= 0:
-        return []
+        return
     for size in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
         pattern = list(context[-size:])
         starts = range(len(context) - size - 1, -1, -1)
@@ -59,5 +66,4 @@ def lookup(context: Sequence[int], n: int, max_ngram: int, min_ngram: int = 1, e
             if list(context[start : start + size]) == pattern:
                 follow = list(context[start + size : start + size + n])
                 if follow:
-                    return follow
-    return []
+                    yield follow
