@@ -40,10 +40,10 @@ reproduce: $(STAMP)
 	$(PY) -m dropmatch.reproduce --preset $(PRESET) $(ARGS)
 
 bench-engine: $(STAMP)
-	$(PY) -m dropmatch.benchmarks.engine
+	$(PY) -m dropmatch.benchmarks.engine $(ARGS)
 
 bench-dropmatch: $(STAMP)
-	$(PY) -m dropmatch.benchmarks.dropmatch_overhead
+	$(PY) -m dropmatch.benchmarks.dropmatch_overhead $(ARGS)
 
 gpu-check: $(STAMP)  # the CUDA cases of the decision tests (sparse vs dense heads, decoding paths), then the timings
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_sparse_heads.py
@@ -58,7 +58,7 @@ bench-eagle3-dm: $(STAMP)
 	$(PY) -m dropmatch.benchmarks.eagle3_dropmatch $(ARGS)
 
 bench-draft: $(STAMP)
-	$(PY) -m dropmatch.benchmarks.draft_tau
+	$(PY) -m dropmatch.benchmarks.draft_tau $(ARGS)
 
 bench-verify-rows: $(STAMP)  # a verify step's cost by its rows, and the steps of lookup first + EAGLE-3 (~2 min)
 	$(PY) -m dropmatch.benchmarks.verify_rows $(ARGS)
