@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .drafters import Drafter, LookupFirstDrafter, ModelDrafter, NgramDrafter, check_stop_below
+from .drafters.lookup_first import check_lookup_guide
 from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .heads import DropoutHead, check_dropout_args, default_head_dtype
@@ -134,8 +135,7 @@ class MethodConfig:
         if self.lookup_guide is not None and not (self.lookup_first and self.draft == "eagle3"):
             raise ConfigError("--lookup-guide lets the EAGLE-3 head choose between lookup matches: pass it with "
                               "--draft eagle3 --lookup-first")
-        if self.lookup_guide is not None and not 0.0 <= self.lookup_guide <= 1.0:
-            raise ConfigError(f"--lookup-guide is a draft probability in [0, 1], got {self.lookup_guide!r}")
+        check_lookup_guide(self.lookup_guide)
         if not 1 <= self.lookup_min <= self.ngram_max:
             raise ConfigError(f"--lookup-min must be in 1..--ngram-max ({self.ngram_max}), got {self.lookup_min}")
         if self.method.startswith("judge") and not self.judge_path:

@@ -143,6 +143,7 @@ GUIDE_CONTEXT = [5, 9, 7, 8, 5, 9, 30, 41, 9, 41, 5, 9, 12, 3, 5, 9]
     (41, 0.1, [41, 5, 9], ["guess", "follow"]),  # a shorter n-gram's match
     (50, 0.7, GuessingStub.OWN, ["guess", "propose"]),  # none agrees; confident: its own draft
     (50, 0.3, [12, 3, 5], ["guess", "follow"]),  # none agrees; unsure: the latest match
+    (50, 0.5, GuessingStub.OWN, ["guess", "propose"]),  # at the guide itself: its own draft
 ])
 def test_guided_lookup_proposes_the_match_the_head_guesses(guess, confidence, want, calls):
     stub = GuessingStub(guess, confidence)
@@ -150,6 +151,7 @@ def test_guided_lookup_proposes_the_match_the_head_guesses(guess, confidence, wa
     drafter.start(torch.tensor(GUIDE_CONTEXT[:-1]))
     assert drafter.propose(GUIDE_CONTEXT[-1], 3, GREEDY, torch.Generator()).tokens.tolist() == want
     assert stub.calls == calls
+    assert drafter.guided_steps == (want != [12, 3, 5])
     unguided = LookupFirstDrafter(GuessingStub(guess, confidence), max_ngram=2, min_match=1)
     unguided.start(torch.tensor(GUIDE_CONTEXT[:-1]))
     assert unguided.propose(GUIDE_CONTEXT[-1], 3, GREEDY, torch.Generator()).tokens.tolist() == [12, 3, 5]
@@ -169,10 +171,11 @@ def test_greedy_sd_with_lookup_first_equals_ar(pair, fallback):
     ar = generate(target, prompt, max_new_tokens=40).token_ids
     for draft_len in (1, 3, 6):
         inner = Eagle3Drafter(random_head(target, 40, seed=3), target) if "eagle3" in fallback else ModelDrafter(pair.draft)
-        drafter = LookupFirstDrafter(inner, max_ngram=3, min_match=1, guide_at=0.2 if "guided" in fallback else None)
+        drafter = LookupFirstDrafter(inner, max_ngram=3, min_match=1, guide_at=0.15 if "guided" in fallback else None)
         out = generate(target, prompt, drafter=drafter, draft_len=draft_len, max_new_tokens=40)
         assert out.token_ids == ar
         assert drafter.lookup_steps > 0 and drafter.drafter_steps > 0
+        assert (drafter.guided_steps > 0) == ("guided" in fallback)  # the guide changed some proposals
 
 
 @pytest.mark.parametrize("fallback", ["eagle3", "model", "guided eagle3"])
@@ -195,16 +198,18 @@ def test_speculative_sampling_with_lookup_first_preserves_target_distribution(fa
     joint = _exact_joint(target, prompt, vocab, sampling).flatten()
     t4 = _exact_t4_marginal(target, prompt, vocab, sampling)
     counts, counts4 = torch.zeros(vocab * vocab), torch.zeros(vocab)
-    lookups = fallbacks = deep = 0
+    lookups = fallbacks = deep = guided = 0
     for seed in range(1500):
         drafter = LookupFirstDrafter(fallback_drafter(), max_ngram=2, min_match=1,
                                      guide_at=0.3 if "guided" in fallback else None)
         out = generate(target, prompt, drafter=drafter, draft_len=3, max_new_tokens=5, sampling=sampling, seed=seed)
+        guided += drafter.guided_steps
         counts[out.token_ids[1] * vocab + out.token_ids[2]] += 1
         counts4[out.token_ids[3]] += 1
         lookups, fallbacks = lookups + drafter.lookup_steps, fallbacks + drafter.drafter_steps
         deep += out.stats.accepted_per_step[0] >= 2
     assert lookups > 300 and fallbacks > 300 and deep > 50, (lookups, fallbacks, deep)
+    assert (guided > 100) == ("guided" in fallback), guided
     for observed, expected in ((counts, joint), (counts4, t4)):
         assert _pooled_pvalue(observed, expected.double() / expected.double().sum()) > P_MIN
 

@@ -162,8 +162,9 @@ CHANGES = {"criterion": "naive", "majority": "plurality", "divergence": "kl", "d
 def test_configs_differing_in_one_field_that_matters_have_different_labels(method):
     base = MethodConfig(method)
     for f in dataclasses.fields(MethodConfig):
-        if f.name in ("method", "judge_path", "judge_threshold", "lookup_min"):  # lookup_min: only with lookup_first
-            continue  # (refused alone; its label is checked in test_label_names_ngram_max_with_the_ngram_drafter...)
+        if f.name in ("method", "judge_path", "judge_threshold", "lookup_min", "lookup_guide"):
+            continue  # lookup_min / lookup_guide: only with lookup_first (refused alone; their labels are checked in
+            # test_label_names_ngram_max_with_the_ngram_drafter... and test_lookup_first.py)
         new = CHANGES.get(f.name, _changed(getattr(base, f.name)))
         assert new != getattr(base, f.name), f.name
         other = dataclasses.replace(base, **{f.name: new})

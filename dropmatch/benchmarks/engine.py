@@ -28,6 +28,7 @@ import torch
 
 from ..drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
+from ..drafters.lookup_first import check_lookup_guide
 from ..engine import generate
 from ..models import load_pair
 from ..provenance import describe_model, machine_line
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                              "where its first token's draft probability is at least this")
     parser.add_argument("--only", nargs="+", help="rows whose name contains one of these (HF plain is always run)")
     args = parser.parse_args(argv)
+    check_lookup_guide(args.lookup_guide)
 
     pair = load_pair("gemma-3-270m")
     pair.target.prepare()  # the screened head: built before any clock starts

@@ -13,8 +13,8 @@ the steps of lookup-first + EAGLE-3 drafting (the ``make bench-engine`` row) pro
    Not priced: the rule, the rollback and the drafter's commit (~1 ms a step).
 2. **The steps.** The bench-engine prompts decoded greedily by our AR and by lookup-first + EAGLE-3, plain
    and guided by the head (``--lookup-guide``, see :class:`~dropmatch.drafters.LookupFirstDrafter`),
-   interleaved. For each drafting, per proposer (n-gram lookup, the EAGLE-3 head where nothing matched, or none on a last step
-   with no room for a draft): its steps, the tokens it drafted and the target kept per step, and the share
+   interleaved. For each drafting, per proposer (n-gram lookup, the EAGLE-3 head where nothing matched or
+   where the guide chose it, or none on a last step with no room for a draft): its steps, the tokens it drafted and the target kept per step, and the share
    of its steps that kept none. Then the decode speedup over AR that the steps predict (AR's measured time
    a token, times each step's ``x 1 row``, plus the measured drafting) beside the measured one: a check of
    the cost model before it is believed. Prefill is left out of both.
@@ -31,6 +31,7 @@ import torch
 
 from ..drafters import Draft, LookupFirstDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
+from ..drafters.lookup_first import check_lookup_guide
 from ..engine import clock, generate
 from ..errors import ConfigError
 from ..intervals import paired_ratio_ci
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.prompts < 1 or args.lookup_len < 1:
         raise ConfigError("--rounds, --prompts and --lookup-len must be at least 1")
+    check_lookup_guide(args.lookup_guide)
 
     pair = load_pair("gemma-3-270m")
     target = pair.target
@@ -188,10 +190,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{machine_line()}")
     print(format_table(costs, list(costs[0])))
 
-    guides = {"lookup-first + EAGLE-3": None, f"lookup-first + EAGLE-3, guided at p={args.lookup_guide:g}":
-              args.lookup_guide}
-    for guide_at in guides.values():
-        generate(target, prompts[0][:64], drafter=lookup_first(guide_at), draft_len=args.lookup_len, max_new_tokens=8)
+    guides = {
+        "lookup-first + EAGLE-3": None,
+        f"lookup-first + EAGLE-3, guided at p={args.lookup_guide:g}": args.lookup_guide,
+    }
+    for guide_at in guides.values():  # warm-up
+        generate(target, prompts[0][:64], drafter=lookup_first(guide_at), draft_len=args.lookup_len,
+                 max_new_tokens=8)
     steps: dict[str, list[Step]] = {name: [] for name in guides}
     ar_parts, sd_parts = [], {name: [] for name in guides}
     for ids in prompts:  # interleaved prompt by prompt
@@ -218,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\ndecode speedup over AR: measured {sd.decode_tokens_per_s / ar.decode_tokens_per_s:.2f}x, predicted "
               f"{predicted:.2f}x from table 1 and this run's AR token ({1e3 * ar_token_s:.1f} ms) and drafting "
               f"({1e3 * sd.draft_s / len(steps[name]):.1f} ms a step); prefill excluded")
+
 
 if __name__ == "__main__":
     main()

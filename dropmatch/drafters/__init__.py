@@ -1,13 +1,13 @@
 """Drafters propose tokens; the engine verifies them. One protocol (:class:`Drafter`), one module each."""
 
 from .base import (
-           Draft,
-           Drafter,
-           FeatureDrafter,
-           FollowingDrafter,
-           GuessingDrafter,
-           check_stop_below,
-           draft_confidence,
+    Draft,
+    Drafter,
+    FeatureDrafter,
+    FollowingDrafter,
+    GuessingDrafter,
+    check_stop_below,
+    draft_confidence,
 )
 from .lookup_first import LookupFirstDrafter
 from .model import ModelDrafter

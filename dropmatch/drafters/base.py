@@ -82,5 +82,6 @@ class GuessingDrafter(Protocol):
     (guided lookup, :class:`~dropmatch.drafters.lookup_first.LookupFirstDrafter`)."""
 
     def first_guess(self, last_token: int) -> tuple[int, float]:
-        """Its greedy first draft token after ``last_token`` and that token's draft probability; the step's
-        ``propose`` or ``follow`` (for the same ``last_token``) then goes on from there."""
+        """Its greedy first draft token after ``last_token`` and that token's untempered softmax probability
+        (whatever the sampling); the step's ``propose`` or ``follow`` (for the same ``last_token``) then goes
+        on from there."""

@@ -561,7 +561,9 @@ class Eagle3Drafter:
     Invariant between steps: the head's cache holds one row per context position whose feature and
     following token are both known; ``_feats`` are the target features of the newest positions, still
     waiting for their following tokens (``_tokens`` plus the next ``last_token``). The deeper rows a
-    proposal adds (fed with the head's own states) are cropped away at ``commit``.
+    proposal adds (fed with the head's own states) are cropped away at ``commit``. Within a step,
+    :meth:`first_guess` may feed the waiting rows first (``_feats`` is then ``None`` and ``_guess`` holds
+    the root) until that step's ``propose`` or ``follow``.
 
     Distributions are mapped into the target vocabulary: under greedy decoding ``Draft.logits`` are
     the draft logits at the draft ids' target positions and -inf elsewhere (so rules that take a
@@ -650,8 +652,9 @@ class Eagle3Drafter:
         return state
 
     def first_guess(self, last_token: int) -> tuple[int, float]:
-        """The head's greedy first draft token after ``last_token`` and its draft probability, computed as
-        the start of this step (the root's rows are fed once): ``propose`` continues from it, or ``follow``
+        """The head's greedy first draft token after ``last_token`` and its untempered softmax probability
+        (whatever the sampling), computed as the start of this step (the root's rows are fed once):
+        ``propose`` continues from it (a sampled first token comes from the same logits), or ``follow``
         takes another drafter's tokens instead."""
         state = self._root(last_token)
         logits = self._draft_logits(state)

@@ -29,10 +29,12 @@ class LookupFirstDrafter:
     ``guide_at`` (a probability; drafters with a :class:`GuessingDrafter` ``first_guess``, i.e. the EAGLE-3
     head): where lookup finds matches, the drafter guesses its first token, and of all the matches (longest
     n-gram first, then the most recent) the first whose next token is that guess is proposed. Where none
-    is, the drafter's own chain is proposed if its guess has at least this draft probability, else the
-    latest match as without guidance. On GSM8K the head's guess settles between the matches, and is often
-    right where lookup's latest match is wrong (``make bench-verify-rows``). The choice depends on the
-    draft alone, so greedy SD still equals AR and speculative sampling stays lossless.
+    is, the drafter's own chain is proposed if its guess has at least this probability (untempered, whatever
+    the sampling), else the latest match as without guidance. On GSM8K the head's guess often chooses well
+    among the matches, and is often right where lookup's latest match is wrong (``make bench-verify-rows``).
+    The choice depends on the draft alone, so greedy SD still equals AR and speculative sampling stays
+    lossless. ``guided_steps`` counts the steps where the guide changed the proposal (an older match, or the
+    drafter's own chain, instead of the latest match).
     """
 
     def __init__(self, drafter: Drafter, max_ngram: int = 3, min_match: int = 2, guide_at: float | None = None):
@@ -43,8 +45,7 @@ class LookupFirstDrafter:
             raise ConfigError(f"guided lookup needs a drafter that guesses its first token (eagle3), not "
                               f"{getattr(drafter, 'name', type(drafter).__name__)!r}")
         check_ngram_sizes(min_match, max_ngram)
-        if guide_at is not None and not 0.0 <= guide_at <= 1.0:
-            raise ConfigError(f"the lookup guide (--lookup-guide) is a draft probability in [0, 1], got {guide_at!r}")
+        check_lookup_guide(guide_at)
         self.drafter, self.max_ngram, self.min_match, self.guide_at = drafter, max_ngram, min_match, guide_at
         self.name = f"ngram+{drafter.name}"
         if isinstance(drafter, FeatureDrafter):  # the engine then computes the features the drafter reads
@@ -52,7 +53,7 @@ class LookupFirstDrafter:
         self.context: list[int] = []
         self._proposed: list[int] = []
         self.device = torch.device("cpu")
-        self.lookup_steps = self.drafter_steps = 0
+        self.lookup_steps = self.drafter_steps = self.guided_steps = 0
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self.drafter.start(prompt_ids, features)
@@ -82,10 +83,16 @@ class LookupFirstDrafter:
         if latest[0] == guess:
             return latest
         agreeing = next((tokens for tokens in matches if tokens[0] == guess), None)
-        if agreeing is not None:
-            return agreeing
-        return [] if confidence >= self.guide_at else latest
+        chosen = agreeing if agreeing is not None else [] if confidence >= self.guide_at else latest
+        self.guided_steps += chosen is not latest
+        return chosen
 
     def commit(self, n_accepted: int, features: torch.Tensor | None = None) -> None:
         self.context.extend(self._proposed[:n_accepted])
         self.drafter.commit(n_accepted, features)
+
+
+def check_lookup_guide(guide_at: float | None) -> None:
+    """Refuse a lookup guide that is not a probability in [0, 1] (``None``: no guide)."""
+    if guide_at is not None and not 0.0 <= guide_at <= 1.0:
+        raise ConfigError(f"the lookup guide (--lookup-guide) is a draft probability in [0, 1], got {guide_at!r}")
