@@ -81,8 +81,8 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
                         help="with --lookup-first: the shortest n-gram that counts as a match")
     parser.add_argument("--lookup-guide", type=float, metavar="P",
                         help="with --draft eagle3 --lookup-first: the head's first token picks among the lookup "
-                             "matches, and its own draft replaces a disagreeing lookup where that token's draft "
-                             "probability is at least P (e.g. 0.5)")
+                             "matches, and its own draft replaces a disagreeing lookup where that token's untempered "
+                             "draft probability is at least P (e.g. 0.5)")
 
 
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                              "to propose, so longer copied spans pay)")
     parser.add_argument("--lookup-guide", type=float, default=0.5,
                         help="the guided lookup-first row: the EAGLE-3 head's own draft replaces a disagreeing lookup "
-                             "where its first token's draft probability is at least this")
+                             "where its first token's untempered draft probability is at least this")
     parser.add_argument("--only", nargs="+", help="rows whose name contains one of these (HF plain is always run)")
     args = parser.parse_args(argv)
     check_lookup_guide(args.lookup_guide)

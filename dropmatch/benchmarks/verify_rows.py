@@ -14,10 +14,11 @@ the steps of lookup-first + EAGLE-3 drafting (the ``make bench-engine`` row) pro
 2. **The steps.** The bench-engine prompts decoded greedily by our AR and by lookup-first + EAGLE-3, plain
    and guided by the head (``--lookup-guide``, see :class:`~dropmatch.drafters.LookupFirstDrafter`),
    interleaved. For each drafting, per proposer (n-gram lookup, the EAGLE-3 head where nothing matched or
-   where the guide chose it, or none on a last step with no room for a draft): its steps, the tokens it drafted and the target kept per step, and the share
-   of its steps that kept none. Then the decode speedup over AR that the steps predict (AR's measured time
-   a token, times each step's ``x 1 row``, plus the measured drafting) beside the measured one: a check of
-   the cost model before it is believed. Prefill is left out of both.
+   where the guide chose it, or none on a last step with no room for a draft): its steps, the tokens it
+   drafted and the target kept per step, and the share of its steps that kept none. Then the decode speedup
+   over AR that the steps predict (AR's measured time a token, times each step's ``x 1 row``, plus the
+   measured drafting) beside the measured one: a check of the cost model before it is believed. Prefill is
+   left out of both.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-stop", type=float, default=0.4, help="the EAGLE-3 head's confidence stop")
     parser.add_argument("--lookup-guide", type=float, default=0.5,
                         help="the guided rows' threshold: the head's own draft replaces a disagreeing lookup where "
-                             "its first token's draft probability is at least this")
+                             "its first token's untempered draft probability is at least this")
     parser.add_argument("--goal", type=float, default=2.0, help="the decode speedup over AR table 1 prices in tau")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.prompts < 1 or args.lookup_len < 1:
