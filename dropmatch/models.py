@@ -276,6 +276,32 @@ class CausalLM:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    @property
+    def bounds_token_logits(self) -> bool:
+        """Whether :meth:`token_logits` bounds what :meth:`head` computes: a float32 ``nn.Linear`` head on
+        the CPU, without bias or soft-capping (elsewhere reduced-precision GEMMs, e.g. TF32 on GPUs, may
+        round more than the bound allows)."""
+        weight = self.lm_head.weight
+        return (isinstance(self.lm_head, nn.Linear) and not callable(weight) and weight.dtype == torch.float32
+                and weight.device.type == "cpu" and self.lm_head.bias is None and not self.softcap)
+
+    def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of a few tokens, with rounding bounds: ``(logits, bounds)``, both (n, m) float32, for
+        hidden states (n, d) and token ids (m,) in the vocabulary.
+
+        Each logit, and the same logit in any float32 evaluation of :meth:`head` (any summation order,
+        with or without FMA), lies within its bound of the exact product w . h: twice gamma_d |w| |h|,
+        gamma_d = d u / (1 - d u) with u = 2^-24 (the float32 dot-product error bound, with |w . h|
+        bounded by the norms and a factor two for the norms' own rounding). Only meaningful where
+        :attr:`bounds_token_logits`.
+        """
+        rows = self.head_weight.index_select(0, token_ids.to(self.device))  # (m, d)
+        hidden = hidden.to(self.device, rows.dtype)
+        logits = hidden @ rows.T
+        d = rows.shape[1]
+        gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
+        return logits, 2 * gamma * torch.outer(hidden.norm(dim=1), rows.norm(dim=1))
+
     def head_with_extra(self, hidden: torch.Tensor, extra: torch.Tensor | None, exact: bool = True):
         """``(head(hidden, exact), products)``: with the screened head, ``extra`` rows (m, d) ride in
         the same bfloat16 GEMM and ``products`` = their head products (m, V); otherwise ``None``."""

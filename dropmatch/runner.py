@@ -135,6 +135,7 @@ def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
             setattr(total, name, getattr(total, name) + getattr(s, name))
         total.accepted_per_step += s.accepted_per_step
         total.drafted_per_step += s.drafted_per_step
+        total.head_rows_per_step += s.head_rows_per_step
     return total
 
 

@@ -42,6 +42,17 @@ def test_greedy_sd_equals_ar(gemma, name):
     assert sd.stats.tau > 1.5
 
 
+def test_cut_drafts_keep_the_steps_on_fewer_head_rows(gemma):
+    """Cutting drafts at certain rejections (the default; :func:`~dropmatch.engine.cut_draft`) changes no
+    step of greedy SD on the real pair, and the context shows the rejections."""
+    ids = gemma.encode(PROMPTS["math"])
+    cut, whole = (generate(gemma.target, ids, drafter=ModelDrafter(gemma.draft), draft_len=5, max_new_tokens=40,
+                           eos_token_ids=gemma.eos_token_ids, cut_drafts=c) for c in (True, False))
+    assert cut.token_ids == whole.token_ids and cut.stats.accepted_per_step == whole.stats.accepted_per_step
+    assert whole.stats.head_rows_per_step == [d + 1 for d in whole.stats.drafted_per_step]
+    assert sum(cut.stats.head_rows_per_step) < sum(whole.stats.head_rows_per_step)
+
+
 def test_screened_head_is_exact_where_it_matters(gemma):
     target = gemma.target
     ids = torch.tensor(gemma.encode(PROMPTS["math"] + PROMPTS["korean"]))

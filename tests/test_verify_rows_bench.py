@@ -72,9 +72,10 @@ def test_steps_count_only_the_tokens_emitted_when_an_eos_ends_a_draft(pair):
 
 
 def test_census_table_groups_steps_by_proposer():
-    steps = [Step("a", 4, 0), Step("b", 2, 2), Step("a", 4, 1), Step("a", 4, 2)]
+    steps = [Step("a", 4, 0, 1), Step("b", 2, 2, 3), Step("a", 4, 1, 2), Step("a", 4, 2, 5)]
     rows = {row["proposer"]: row for row in census_table(steps)}
     assert rows["a"]["steps"] == 3 and rows["a"]["kept/step"] == 1.0 and rows["a"]["kept none"] == pytest.approx(1 / 3)
+    assert rows["a"]["head rows/step"] == pytest.approx(8 / 3)
     assert rows["b"]["tokens/step"] == 3.0
     assert rows["all steps"]["steps"] == 4 and rows["all steps"]["drafted/step"] == 3.5
 
@@ -94,13 +95,21 @@ def test_cost_table_prices_rows_against_one_row():
 
 
 def test_predicted_speedup_is_tokens_per_step_over_step_cost_when_drafting_is_free():
-    steps = [Step("a", 4, 2), Step("b", 1, 0), Step("a", 8, 8)]
+    steps = [Step("a", 4, 2, 5), Step("b", 1, 0, 2), Step("a", 8, 8, 9)]
     tokens = sum(s.kept + 1 for s in steps)
     for cost in (1.0, 1.5):
-        flat = {n: cost for n in range(1, 10)}
+        flat = {1: (0.6, 0.4)} | {n: (0.6 * cost, 0.4 * cost) for n in range(2, 10)}  # each step: cost x one row
         assert predicted_speedup(steps, flat, 0.05, tokens, 0.0) == pytest.approx(tokens / len(steps) / cost)
     free = predicted_speedup(steps, flat, 0.05, tokens, 0.0)
     assert predicted_speedup(steps, flat, 0.05, tokens, 0.1) < free
+
+
+def test_predicted_speedup_prices_the_trunk_by_the_draft_and_the_head_by_its_rows():
+    """The trunk runs on every drafted row, the head only on the rows left after a cut."""
+    linear = {n: (3.0 * n, 1.0 * n) for n in range(1, 10)}  # ms: trunk 3 a row, head 1 a row
+    whole, cut = [Step("a", 4, 1, 5)], [Step("a", 4, 1, 2)]
+    assert predicted_speedup(whole, linear, 1.0, 2, 0.0) == pytest.approx(2 / 5)  # (15 + 5) / 4 one-row steps
+    assert predicted_speedup(cut, linear, 1.0, 2, 0.0) == pytest.approx(2 / 4.25)  # (15 + 2) / 4
 
 
 def test_verify_cost_by_rows_times_each_row_count_every_round_and_rolls_each_back(pair, monkeypatch):

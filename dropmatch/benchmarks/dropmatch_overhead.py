@@ -18,7 +18,11 @@
    native bfloat16, certified), else sparse dropped-column heads ("sparse 8-bit" on x86 at small p_drop, "sparse
    int8 GEMM" past K p_drop 0.5), all inexact ones with certified decisions (the exact fallbacks per step are
    shown). Head overhead = extra head + rule time per step,
-   as a percentage of the standard verify step. The standard step's head is screened (bfloat16 with an
+   as a percentage of the standard verify step. The engine's standard step cuts its draft at a position the
+   target certainly rejects (``engine.cut_draft``: fewer head rows, the same verdict); DropMatch cannot, since
+   it may keep what exact matching rejects. So the overhead counts the rows DropMatch's head runs past that
+   cut, and ``vs whole-draft step`` measures it against a standard step on the whole draft instead, as
+   before 2026-12-07. The standard step's head is screened (bfloat16 with an
    exact argmax, where the CPU has native bfloat16), and so is DropMatch's; the row "standard (float32
    head)" shows what a rule that needs the float32 head pays (DropMatch's JS rules did, on float32
    sparse heads, until 2026-12-06). Goal (issue 10): js+majority at
@@ -45,7 +49,7 @@ import torch
 
 from .. import kernels
 from ..drafters import Draft, ModelDrafter
-from ..engine import generate, verify_step
+from ..engine import cut_draft, generate, verify_step
 from ..heads.byte_columns import BYTE_ROWWISE
 from ..heads.dropout import DropoutHead, expected_union_fraction
 from ..methods import Decoder, MethodConfig, build_rule
@@ -63,8 +67,21 @@ class _Float32Standard(StandardVerification):
 
 
 class _Recorder(StandardVerification):
+    """Standard verification that keeps every step's input, on whole drafts (DropMatch replays need every row)."""
+
+    exact_match_when_greedy = False
+
     def __init__(self) -> None:
         self.steps: list[VerifyInput] = []
+        self.seen: list[torch.Tensor] = []  # each step's context: the prompt and the tokens emitted before it
+
+    def record_contexts(self, prompt: list[int], output: list[int], accepted_per_step: list[int]) -> None:
+        """The context of each step of the generation just recorded (the prefill emitted ``output[0]``, step i
+        ``accepted_per_step[i]`` draft tokens and one target token)."""
+        emitted = 1
+        for accepted in accepted_per_step:
+            self.seen.append(torch.unique(torch.tensor(prompt + output[:emitted])))
+            emitted += accepted + 1
 
     def verify(self, inp: VerifyInput):
         self.steps.append(inp)
@@ -83,15 +100,20 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
 
     def run(rule: StandardVerification, ids: list[int]):
         return generate(pair.target, ids, drafter=ModelDrafter(pair.draft), rule=rule, draft_len=draft_len,
-                        max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids).stats
+                        max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids)
 
     with torch.inference_mode():
         run(StandardVerification(), prompts[0])  # warm-up: first-call reorders of the trunk's GEMMs
-        timed = [run(StandardVerification(), ids) for ids in prompts]
+        timed = [run(StandardVerification(), ids).stats for ids in prompts]
         for ids in prompts:
-            run(recorder, ids)
+            result = run(recorder, ids)
+            recorder.record_contexts(ids, result.token_ids, result.stats.accepted_per_step)
     step_ms = 1000 * sum(s.verify_s for s in timed) / sum(s.verify_steps for s in timed)
-    rules = {"standard": build_rule(pair.target, MethodConfig("sd")), "standard (float32 head)": _Float32Standard()}
+    # "standard" is the engine's standard step, its draft cut at a certain rejection (engine.cut_draft); the
+    # DropMatch rows cannot cut (they may keep what exact matching rejects) and run on whole drafts
+    rules = {"standard": build_rule(pair.target, MethodConfig("sd")),
+             "standard (whole draft)": build_rule(pair.target, MethodConfig("sd")),
+             "standard (float32 head)": _Float32Standard()}
     for p_drop in p_drops:
         for criterion in criteria:
             for dtype in head_dtypes:
@@ -119,13 +141,17 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                 for name, rule in rules.items():
                     evict.sum()
                     start = time.perf_counter()
-                    verdict = verify_step(pair.target, rule, inp.hidden, draft, inp.sampling,
+                    hidden, step_draft = inp.hidden, draft
+                    if name == "standard":
+                        hidden, step_draft = cut_draft(pair.target, hidden, draft, recorder.seen[i])
+                    verdict = verify_step(pair.target, rule, hidden, step_draft, inp.sampling,
                                           torch.Generator().manual_seed(i))
                     seconds[name] += time.perf_counter() - start
                     if repeat == 0:
                         evaluations[name] += verdict.criterion_evaluations
     n = len(recorder.steps) * repeats
-    base = 1000 * seconds["standard"] / n
+    base, whole = (1000 * seconds[name] / n for name in ("standard", "standard (whole draft)"))
+    whole_step_ms = step_ms - base + whole  # the standard step had its drafts not been cut
     rows = []
     for name in rules:
         ms = 1000 * seconds[name] / n
@@ -138,6 +164,7 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                      "exact fallbacks / step": 0.0 if counters is None else counters.exact_fallbacks / n,
                      "positions with heads / step": evaluations[name] / len(recorder.steps),
                      "head overhead (% of verify step)": 100 * (ms - base) / step_ms,
+                     "vs whole-draft step (%)": 100 * (ms - whole) / whole_step_ms,
                      "verify step (ms)": step_ms, "steps": len(recorder.steps)})
     return add_floors(pd.DataFrame(rows), rules)
 
@@ -201,7 +228,7 @@ def add_floors(table: pd.DataFrame, rules: dict) -> pd.DataFrame:
     """``table`` (from :func:`measure_overhead`) with each DropMatch row's read floor: MB and ms per
     position with heads, the measured head + rule time per such position, and the overhead the read
     alone costs at the measured positions per step (% of the standard verify step); NaN elsewhere."""
-    base = table["head + rule / step (ms)"].iloc[0]
+    base = table["head + rule / step (ms)"].iloc[1]  # standard on the whole draft, as DropMatch runs
     floors = []
     for rule, row in zip(rules.values(), table.to_dict("records"), strict=True):
         criterion = getattr(rule, "criterion", None)
@@ -259,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     print("masks are drawn inside each timed step; end-to-end below at p_drop =", args.p_drop[-1])
     print(f"mean standard verify step (target trunk + head + rule): {overhead['verify step (ms)'].iloc[0]:.1f} ms")
     columns = ["rule", "head + rule / step (ms)", "positions with heads / step", "exact fallbacks / step",
-               "head overhead (% of verify step)"]
+               "head overhead (% of verify step)", "vs whole-draft step (%)"]
     print(format_table(overhead.to_dict("records"), columns))
     print()
     print("floor per head path: one streaming read of the bytes a position's K heads read")

@@ -51,11 +51,13 @@ class StepTimes(NamedTuple):
 
 
 class Step(NamedTuple):
-    """One verify step: who proposed its draft, how many tokens it drafted and how many the target kept."""
+    """One verify step: who proposed its draft, how many tokens it drafted, how many the target kept, and the
+    rows its head ran on (``drafted + 1``, fewer where the engine cut the draft at a certain rejection)."""
 
     proposer: str
     drafted: int
     kept: int
+    head_rows: int
 
 
 def verify_cost_by_rows(target: CausalLM, prompt: Sequence[int], rows: Sequence[int], rounds: int,
@@ -129,9 +131,10 @@ class ProposerLog:
 
 
 def steps_of(log: ProposerLog, stats) -> list[Step]:
-    """The steps of one generation: ``log``'s proposers beside the engine's drafted and kept counts (kept is cut
-    at an EOS, as in the output)."""
-    return [Step(*step) for step in zip(log.proposers, stats.drafted_per_step, stats.accepted_per_step, strict=True)]
+    """The steps of one generation: ``log``'s proposers beside the engine's drafted, kept (cut at an EOS, as in
+    the output) and head-row counts."""
+    return [Step(*step) for step in zip(log.proposers, stats.drafted_per_step, stats.accepted_per_step,
+                                        stats.head_rows_per_step, strict=True)]
 
 
 def census_table(steps: Sequence[Step]) -> list[dict]:
@@ -141,19 +144,21 @@ def census_table(steps: Sequence[Step]) -> list[dict]:
     groups = {name: [s for s in steps if s.proposer == name] for name in sorted({s.proposer for s in steps})}
     groups["all steps"] = list(steps)
     return [{"proposer": name, "steps": len(group), "drafted/step": sum(s.drafted for s in group) / len(group),
+             "head rows/step": sum(s.head_rows for s in group) / len(group),
              "kept/step": sum(s.kept for s in group) / len(group),
              "tokens/step": 1 + sum(s.kept for s in group) / len(group),
              "kept none": sum(s.kept == 0 for s in group) / len(group)}
             for name, group in groups.items() if group]
 
 
-def predicted_speedup(steps: Sequence[Step], step_cost: dict[int, float], ar_s_per_token: float, ar_tokens: int,
-                      draft_s: float) -> float:
+def predicted_speedup(steps: Sequence[Step], costs: dict[int, tuple[float, float]], ar_s_per_token: float,
+                      ar_tokens: int, draft_s: float) -> float:
     """Decode speedup over AR by the cost model: AR spends ``ar_s_per_token`` s on each of ``ar_tokens`` tokens, SD
-    ``step_cost[drafted + 1]`` (a step of that many rows over a 1-row step) times as much on each verify step,
-    plus ``draft_s`` s of drafting in all."""
-    sd_s = ar_s_per_token * sum(step_cost[s.drafted + 1] for s in steps) + draft_s
-    return ar_tokens * ar_s_per_token / sd_s
+    as much times (trunk on ``drafted + 1`` rows + head on ``head_rows``) / (trunk + head on 1 row) on each verify
+    step, from ``costs`` ({rows: (trunk ms, head ms)}), plus ``draft_s`` s of drafting in all."""
+    one_row = sum(costs[1])
+    relative = sum(costs[s.drafted + 1][0] + costs[s.head_rows][1] for s in steps) / one_row
+    return ar_tokens * ar_s_per_token / (ar_s_per_token * relative + draft_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,22 +196,24 @@ def main(argv: list[str] | None = None) -> None:
           f"{machine_line()}")
     print(format_table(costs, list(costs[0])))
 
-    guides = {
-        "lookup-first + EAGLE-3": None,
-        f"lookup-first + EAGLE-3, guided at p={args.lookup_guide:g}": args.lookup_guide,
+    guided = f"lookup-first + EAGLE-3, guided at p={args.lookup_guide:g}"
+    guides = {  # name: (guide, drafts cut at a certain rejection)
+        "lookup-first + EAGLE-3": (None, True),
+        guided: (args.lookup_guide, True),
+        f"{guided}, whole drafts": (args.lookup_guide, False),
     }
-    for guide_at in guides.values():  # warm-up
+    for guide_at, cut in guides.values():  # warm-up
         generate(target, prompts[0][:64], drafter=lookup_first(guide_at), draft_len=args.lookup_len,
-                 max_new_tokens=8)
+                 max_new_tokens=8, cut_drafts=cut)
     steps: dict[str, list[Step]] = {name: [] for name in guides}
     ar_parts, sd_parts = [], {name: [] for name in guides}
     for ids in prompts:  # interleaved prompt by prompt
         ar = generate(target, ids, max_new_tokens=args.max_new_tokens, eos_token_ids=pair.eos_token_ids)
         ar_parts.append(ar.stats)
-        for name, guide_at in guides.items():
+        for name, (guide_at, cut) in guides.items():
             log = lookup_first(guide_at)
             sd = generate(target, ids, drafter=log, draft_len=args.lookup_len, max_new_tokens=args.max_new_tokens,
-                          eos_token_ids=pair.eos_token_ids)
+                          eos_token_ids=pair.eos_token_ids, cut_drafts=cut)
             if sd.token_ids != ar.token_ids:
                 raise SystemExit(f"{name} differs from greedy decoding")
             steps[name] += steps_of(log, sd.stats)
@@ -219,8 +226,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{len(prompts)} bench-engine prompts x {args.max_new_tokens} new tokens, greedy")
         census = census_table(steps[name])
         print(format_table(census, list(census[0])))
-        predicted = predicted_speedup(steps[name], {row["rows"]: row["x 1 row"] for row in costs}, ar_token_s,
-                                      ar.decode_tokens, sd.draft_s)
+        predicted = predicted_speedup(steps[name], {row["rows"]: (row["trunk ms"], row["head ms"]) for row in costs},
+                                      ar_token_s, ar.decode_tokens, sd.draft_s)
         print(f"\ndecode speedup over AR: measured {sd.decode_tokens_per_s / ar.decode_tokens_per_s:.2f}x, predicted "
               f"{predicted:.2f}x from table 1 and this run's AR token ({1e3 * ar_token_s:.1f} ms) and drafting "
               f"({1e3 * sd.draft_s / len(steps[name]):.1f} ms a step); prefill excluded")

@@ -19,6 +19,7 @@ from .base import (
     Verdict,
     VerificationRule,
     VerifyInput,
+    exact_match_when_greedy,
     screened_logits_ok,
 )
 from .combine import AnyOf
@@ -26,11 +27,11 @@ from .dropmatch import CRITERIA, MAJORITY_RULES, DropMatch
 from .ensemble import StaticEnsembleVerification
 from .fly import FLyVerification
 from .rivals import DivergenceThreshold, TopK, TypicalAcceptance
-from .standard import RelaxedVerification, StandardVerification
+from .standard import RelaxedVerification, StandardVerification, exact_match_prefix
 
 __all__ = [
     "CRITERIA", "MAJORITY_RULES", "AnyOf", "Criterion", "DivergenceThreshold", "DropMatch", "FLyVerification",
     "PositionTest", "Prefetch", "Prefetching", "RelaxedVerification", "StandardVerification",
     "StaticEnsembleVerification", "TopK", "TypicalAcceptance", "Verdict", "VerificationRule", "VerifyInput",
-    "screened_logits_ok",
+    "exact_match_prefix", "exact_match_when_greedy", "screened_logits_ok",
 ]

@@ -154,6 +154,14 @@ def screened_logits_ok(rule: object) -> bool:
     return bool(getattr(rule, "screened_logits_ok", False))
 
 
+def exact_match_when_greedy(rule: object) -> bool:
+    """Whether ``rule``, under greedy decoding, keeps a draft token exactly where it is the target's argmax
+    and emits the argmax at the first row where it is not (attribute ``exact_match_when_greedy``; absent:
+    no). For such a rule the engine may cut the draft at a position the target certainly rejects
+    (:func:`~dropmatch.rules.standard.exact_match_prefix`) and run the head on fewer rows."""
+    return bool(getattr(rule, "exact_match_when_greedy", False))
+
+
 @runtime_checkable
 class Prefetching(Protocol):
     """Optional capability of a rule or criterion: extra head rows to fuse into the verify GEMM

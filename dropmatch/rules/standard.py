@@ -51,11 +51,39 @@ def _standard(inp: VerifyInput) -> _Standard:
     return _Standard(accepts, correction, int(sample_with_uniform(p[n], uniforms[n])))
 
 
+def exact_match_prefix(draft_tokens: torch.Tensor, candidates: torch.Tensor, logits: torch.Tensor,
+                       bounds: torch.Tensor) -> int:
+    """How many draft tokens greedy exact matching could still keep, judged before the head runs: the
+    first position where some candidate token certainly outscores the draft token, else all ``n``.
+
+    At such a position the target's argmax is not the draft token, so the step keeps at most the tokens
+    before it and emits that row's argmax: verifying the draft cut there, on rows ``0..k`` of the head,
+    gives the same verdict as the whole draft. Certainly means beyond rounding: each logit lies within
+    ``bounds`` of the exact product, as does any float32 evaluation of the head, so a candidate counts
+    only where ``logit - 2 bound`` exceeds the draft token's ``logit + 2 bound``.
+
+    Args:
+        draft_tokens: (n,) int64.
+        candidates: (m,) sorted distinct token ids, every draft token among them.
+        logits, bounds: (n, m) float32, the candidates' logits at rows ``0..n-1`` and their error bounds.
+    """
+    n = draft_tokens.numel()
+    if n == 0:
+        return 0
+    rows = torch.arange(n, device=logits.device)
+    column = torch.searchsorted(candidates, draft_tokens)  # (n,) where each draft token sits
+    ceiling = logits[rows, column] + 2 * bounds[rows, column]  # (n,) the draft token's highest possible logit
+    beaten = (logits - 2 * bounds > ceiling[:, None]).any(dim=1)  # (n,)
+    first = beaten.nonzero()
+    return int(first[0]) if len(first) else n
+
+
 class StandardVerification:
     """Lossless verification: greedy exact match, or speculative sampling when temperature > 0."""
 
     name = "standard"
     screened_logits_ok = True  # greedy: the argmax only, which screened logits give exactly
+    exact_match_when_greedy = True  # greedy: rows past a certain rejection can be cut (exact_match_prefix)
 
     def verify(self, inp: VerifyInput) -> Verdict:
         std = _standard(inp)
