@@ -12,13 +12,15 @@ the steps of lookup-first + EAGLE-3 drafting (the ``make bench-engine`` row) pro
    rows must emit for SD's decode to run ``--goal`` x AR's with free drafting, ``goal x cost(n) / cost(1)``.
    Not priced: the rule, the rollback and the drafter's commit (~1 ms a step).
 2. **The steps.** The bench-engine prompts decoded greedily by our AR and by lookup-first + EAGLE-3, plain
-   and guided by the head (``--lookup-guide``, see :class:`~dropmatch.drafters.LookupFirstDrafter`),
-   interleaved. For each drafting, per proposer (n-gram lookup, the EAGLE-3 head where nothing matched or
-   where the guide chose it, or none on a last step with no room for a draft): its steps, the tokens it
-   drafted and the target kept per step, and the share of its steps that kept none. Then the decode speedup
-   over AR that the steps predict (AR's measured time a token, times each step's ``x 1 row``, plus the
-   measured drafting) beside the measured one: a check of the cost model before it is believed. Prefill is
-   left out of both.
+   and guided by the head (``--lookup-guide``, see :class:`~dropmatch.drafters.LookupFirstDrafter`), and
+   guided with drafts not cut at a certain rejection (``generate(..., cut_drafts=False)``, see
+   :func:`~dropmatch.engine.cut_draft`), interleaved. For each drafting, per proposer (n-gram lookup, the
+   EAGLE-3 head where nothing matched or where the guide chose it, or none on a last step with no room for a
+   draft): its steps, the tokens it drafted, the rows its head ran on and the tokens the target kept per step,
+   and the share of its steps that kept none. Then the decode speedup over AR that the steps predict (AR's
+   measured time a token, times each step's cost over a 1-row step: the trunk on the drafted rows and the
+   head on its own, from table 1's medians; plus the measured drafting) beside the measured one: a check of
+   the cost model before it is believed. Prefill is left out of both.
 """
 
 from __future__ import annotations
