@@ -80,7 +80,8 @@ def cut_draft(target: CausalLM, hidden: torch.Tensor, draft: Draft, seen: torch.
     k = exact_match_prefix(tokens, candidates, logits, bounds)
     if k == n:
         return hidden, draft
-    return hidden[: k + 1], Draft(tokens[:k], *(None if rows is None else rows[:k] for rows in (draft.probs, draft.logits)))
+    probs, draft_logits = (None if rows is None else rows[:k] for rows in (draft.probs, draft.logits))
+    return hidden[: k + 1], Draft(tokens[:k], probs, draft_logits)
 
 
 def check_draft(draft: Draft, n_draft: int, vocab: int) -> None:

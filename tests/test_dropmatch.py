@@ -33,8 +33,10 @@ GREEDY = SamplingConfig()
 
 
 def _comparable(stats) -> dict:
+    """The statistics of what a generation decided, without its costs: timings, and the head's rows (the
+    standard rule's steps cut their drafts at a certain rejection, engine.cut_draft; relaxed rules cannot)."""
     d = stats.to_dict()
-    return {k: v for k, v in d.items() if not k.endswith("_s") and k != "tokens_per_s"}
+    return {k: v for k, v in d.items() if not k.endswith("_s") and k not in ("tokens_per_s", "head_rows_per_step")}
 
 
 # ---------------------------------------------------------------------------------------------
