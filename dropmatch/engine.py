@@ -73,7 +73,7 @@ def cut_draft(target: CausalLM, hidden: torch.Tensor, draft: Draft, seen: torch.
     every rejection. A draft with token ids outside the vocabulary is left for :func:`check_draft`."""
     tokens = draft.tokens
     n = tokens.numel()
-    if n == 0 or int(tokens.min()) < 0 or int(tokens.max()) >= target.vocab_size:
+    if n == 0 or not _within(tokens, target.vocab_size):
         return hidden, draft
     candidates = torch.unique(torch.cat([seen[seen < target.vocab_size], tokens]))  # sorted, distinct
     logits, bounds = target.token_logits(hidden[:n], candidates)
@@ -84,6 +84,12 @@ def cut_draft(target: CausalLM, hidden: torch.Tensor, draft: Draft, seen: torch.
     return hidden[: k + 1], Draft(tokens[:k], probs, draft_logits)
 
 
+def _within(tokens: torch.Tensor, vocab: int) -> bool:
+    """Whether the (non-empty) token ids all lie in [0, ``vocab``): one reduction (one sync on a GPU)."""
+    low, high = torch.aminmax(tokens)
+    return 0 <= int(low) <= int(high) < vocab
+
+
 def check_draft(draft: Draft, n_draft: int, vocab: int) -> None:
     """``VocabularyMismatchError`` unless ``draft`` holds ``n_draft`` token ids in [0, ``vocab``) and its
     distributions, if any, are (n_draft, vocab): a custom drafter over another vocabulary would otherwise
@@ -91,11 +97,9 @@ def check_draft(draft: Draft, n_draft: int, vocab: int) -> None:
     tokens = draft.tokens
     if tokens.dim() != 1 or tokens.numel() != n_draft:
         raise VocabularyMismatchError(f"the draft has {tuple(tokens.shape)} tokens for a verify step of {n_draft}")
-    if n_draft:
-        low, high = torch.aminmax(tokens)  # one reduction (one sync on a GPU)
-        if not 0 <= int(low) <= int(high) < vocab:
-            raise VocabularyMismatchError(f"draft token ids {tokens.tolist()} lie outside the target's vocabulary "
-                                          f"of {vocab}")
+    if n_draft and not _within(tokens, vocab):
+        raise VocabularyMismatchError(f"draft token ids {tokens.tolist()} lie outside the target's vocabulary "
+                                      f"of {vocab}")
     for name in ("probs", "logits"):
         rows = getattr(draft, name)
         if rows is not None and tuple(rows.shape) != (n_draft, vocab):

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from dropmatch.benchmarks.dropmatch_overhead import add_floors, measure_overhead, read_floor
+from dropmatch.benchmarks.dropmatch_overhead import WHOLE_DRAFT, add_floors, measure_overhead, read_floor
 from dropmatch.heads.byte_columns import BYTE_ROWWISE, byte_bags_supported
 from dropmatch.heads.dropout import DropoutHead
 from dropmatch.heads.int8_gemm import int8_gemm_supported
@@ -62,7 +62,7 @@ def test_fused_heads_are_named_and_charged_no_read():
     table = pd.DataFrame([{"head + rule / step (ms)": 10.0, "positions with heads / step": 0.0, "verify step (ms)": 50.0},
                           {"head + rule / step (ms)": 12.0, "positions with heads / step": 0.8, "verify step (ms)": 50.0},
                           {"head + rule / step (ms)": 20.0, "positions with heads / step": 0.8, "verify step (ms)": 50.0}])
-    floors = add_floors(table, {"standard": None, "fused": RelaxedVerification(fused), "rows": RelaxedVerification(rows)})
+    floors = add_floors(table, {WHOLE_DRAFT: None, "fused": RelaxedVerification(fused), "rows": RelaxedVerification(rows)})
     assert floors["MB read / position"].tolist()[1:] == [0.0, 512 * 64 * 2 / 1e6]
     assert floors["head + rule / position (ms)"].tolist()[1:] == [2.5, 12.5]
 

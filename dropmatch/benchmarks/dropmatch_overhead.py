@@ -59,6 +59,8 @@ from ..rules import StandardVerification, VerifyInput
 from ..sampling import SamplingConfig
 from .common import format_table, gsm8k_fewshot_prompts
 
+WHOLE_DRAFT = "standard (whole draft)"  # the table's row of standard verification on uncut drafts
+
 
 class _Float32Standard(StandardVerification):
     """Standard verification on the float32 head (what a rule that cannot take screened logits gets)."""
@@ -112,7 +114,7 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
     # "standard" is the engine's standard step, its draft cut at a certain rejection (engine.cut_draft); the
     # DropMatch rows cannot cut (they may keep what exact matching rejects) and run on whole drafts
     rules = {"standard": build_rule(pair.target, MethodConfig("sd")),
-             "standard (whole draft)": build_rule(pair.target, MethodConfig("sd")),
+             WHOLE_DRAFT: build_rule(pair.target, MethodConfig("sd")),
              "standard (float32 head)": _Float32Standard()}
     for p_drop in p_drops:
         for criterion in criteria:
@@ -150,7 +152,7 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                     if repeat == 0:
                         evaluations[name] += verdict.criterion_evaluations
     n = len(recorder.steps) * repeats
-    base, whole = (1000 * seconds[name] / n for name in ("standard", "standard (whole draft)"))
+    base, whole = (1000 * seconds[name] / n for name in ("standard", WHOLE_DRAFT))
     whole_step_ms = step_ms - base + whole  # the standard step had its drafts not been cut
     rows = []
     for name in rules:
@@ -226,9 +228,10 @@ def read_floor(head: DropoutHead, rows_dtype: torch.dtype | None = None) -> tupl
 
 def add_floors(table: pd.DataFrame, rules: dict) -> pd.DataFrame:
     """``table`` (from :func:`measure_overhead`) with each DropMatch row's read floor: MB and ms per
-    position with heads, the measured head + rule time per such position, and the overhead the read
-    alone costs at the measured positions per step (% of the standard verify step); NaN elsewhere."""
-    base = table["head + rule / step (ms)"].iloc[1]  # standard on the whole draft, as DropMatch runs
+    position with heads, the measured head + rule time per such position (above the :data:`WHOLE_DRAFT` rule's,
+    which ``rules`` must name: standard verification on the whole drafts DropMatch verifies), and the overhead
+    the read alone costs at the measured positions per step (% of the standard verify step); NaN elsewhere."""
+    base = table["head + rule / step (ms)"].iloc[list(rules).index(WHOLE_DRAFT)]
     floors = []
     for rule, row in zip(rules.values(), table.to_dict("records"), strict=True):
         criterion = getattr(rule, "criterion", None)
