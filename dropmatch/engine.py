@@ -20,6 +20,7 @@ import torch
 from .drafters import Draft, Drafter, FeatureDrafter
 from .errors import ConfigError, PromptTooLongError, VocabularyMismatchError
 from .models import CausalLM, rollback
+from .prompt_cache import PromptPrefix
 from .rules import (
     Prefetching,
     StandardVerification,
@@ -178,6 +179,7 @@ def generate(
     eos_token_ids: Sequence[int] = (),
     should_stop: Callable[[list[int]], int | None] | None = None,
     cut_drafts: bool = True,
+    prefix: PromptPrefix | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -189,7 +191,9 @@ def generate(
     exactly what plain decoding would have emitted (statistics included). With ``cut_drafts``, greedy
     exact-match verification runs the head only up to the first draft position that a token of the
     context certainly outscores (:func:`cut_draft`; where :attr:`CausalLM.bounds_token_logits`): the
-    same tokens, fewer head rows (``stats.head_rows_per_step``).
+    same tokens, fewer head rows (``stats.head_rows_per_step``). A ``prefix``
+    (:func:`~dropmatch.prompt_cache.cache_prefix`, e.g. a benchmark's shared few-shot exemplars) serves
+    the leading prompt positions it shares, which are then not prefilled (``stats.cached_prompt_tokens``).
     """
     sampling = sampling or SamplingConfig()
     rule = rule or StandardVerification()
@@ -203,7 +207,9 @@ def generate(
         start = clock(device)
         layers = drafter.feature_layers if isinstance(drafter, FeatureDrafter) else ()
         # features: the target's chosen-layer states, for drafters that read them (EAGLE-3); else None
-        cache, hidden, features = target.new_cache_with_features(prompt, layers, rollback=drafter is not None)
+        cache, hidden, features = target.new_cache_with_features(prompt, layers, rollback=drafter is not None,
+                                                                 prefix=prefix)
+        stats.cached_prompt_tokens = prefix.usable_length(prompt) if prefix is not None else 0
         token = choose_token(target.head(hidden[-1:], exact=not sampling.greedy)[0], sampling, generator)
         output = [token]
         stats.target_calls = stats.target_tokens = 1

@@ -35,6 +35,7 @@ from .onednn_linear import (
     shared_few_row_linear,
 )
 from .paths import cache_root
+from .prompt_cache import PromptPrefix, start_from
 
 log = logging.getLogger(__name__)
 
@@ -196,14 +197,17 @@ class CausalLM:
             self._weight_copies[dtype] = weight.detach().to(dtype)
         return self._weight_copies[dtype]
 
-    def new_cache(self, rollback: bool = True, prompt_ids: torch.Tensor | None = None):
-        """A ``DynamicCache`` for this model, optionally filled with ``prompt_ids`` (n,).
+    def new_cache(self, rollback: bool = True, prompt_ids: torch.Tensor | None = None,
+                  prefix: PromptPrefix | None = None):
+        """A ``DynamicCache`` for this model, optionally filled with ``prompt_ids`` (n,), the positions a
+        cached ``prefix`` shares with them copied rather than run.
 
         With ``rollback`` (speculative decoding), sliding-window layers keep the states a later
         :func:`rollback` may need. Recording starts after the prompt, so a long prompt causes no
-        memory spike. Returns the cache and, if a prompt was given, its hidden states (n, d).
+        memory spike. Returns the cache and, if a prompt was given, the hidden states (n, d) of the
+        positions that ran.
         """
-        cache, hidden, _ = self.new_cache_with_features(prompt_ids, (), rollback)
+        cache, hidden, _ = self.new_cache_with_features(prompt_ids, (), rollback, prefix)
         return cache, hidden
 
     def hidden(self, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -224,16 +228,29 @@ class CausalLM:
         return out.last_hidden_state[0].to(self.device), features
 
     def new_cache_with_features(self, prompt_ids: torch.Tensor | None, layers: Sequence[int] = (),
-                                rollback: bool = True):
+                                rollback: bool = True, prefix: PromptPrefix | None = None):
         """:meth:`new_cache`, also returning the chosen layers' states of the prompt:
-        ``(cache, hidden (n, d), features (n, len(layers) * d))``; ``None`` for what was not asked for."""
+        ``(cache, hidden (n, d), features (n, len(layers) * d))``; ``None`` for what was not asked for.
+        With a ``prefix`` (:func:`~dropmatch.prompt_cache.cache_prefix`) the positions it shares with the
+        prompt are copied, not run: ``hidden`` then holds only the rows after them (``features``: all
+        rows), and :func:`~dropmatch.prompt_cache.PromptPrefix.usable_length` says how many were copied."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         use_in_place_layers(cache)  # updates write in place, no per-step concatenation
         hidden = features = None
+        if prefix is not None and prefix.model is not self:
+            raise ConfigError("this prompt prefix was cached with another model; cache_prefix(model, ids) for each")
         if prompt_ids is not None:
-            hidden, features = self.hidden_and_features(prompt_ids, cache, layers)
+            n = prefix.usable_length(prompt_ids) if prefix is not None else 0
+            if n and tuple(layers) and tuple(layers) != prefix.layers:
+                raise ConfigError(f"this prompt prefix recorded feature layers {prefix.layers}, the drafter reads "
+                                  f"{tuple(layers)}: cache it with cache_prefix(target, ids, layers={tuple(layers)})")
+            if n:
+                start_from(cache, prefix, n)
+            hidden, features = self.hidden_and_features(prompt_ids[n:], cache, layers)
+            if n and features is not None:
+                features = torch.cat([prefix.features[:n], features])
         if rollback and hasattr(cache, "activate_past_recording"):
             cache.activate_past_recording()
         return cache, hidden, features

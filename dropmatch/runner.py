@@ -129,7 +129,7 @@ def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
     total = GenerationStats(generations=0)
     for s in parts:
         for name in ("new_tokens", "target_calls", "target_tokens", "extra_accepts", "criterion_evaluations",
-                     "generations"):
+                     "generations", "cached_prompt_tokens"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         for name in ("prefill_s", "draft_s", "verify_s", "wall_s"):
             setattr(total, name, getattr(total, name) + getattr(s, name))

@@ -33,6 +33,7 @@ class GenerationStats:
     extra_accepts: int = 0
     criterion_evaluations: int = 0
     head_rows_per_step: list[int] = field(default_factory=list)  # verify steps' head rows: L + 1, fewer where cut
+    cached_prompt_tokens: int = 0  # prompt positions copied from a cached prefix, not prefilled (prompt_cache)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -108,6 +109,7 @@ class GenerationStats:
             "extra_accepts": self.extra_accepts,
             "criterion_evaluations": self.criterion_evaluations,
             "head_rows_per_step": self.head_rows_per_step,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "draft_acceptance_rate": round(self.draft_acceptance_rate, 4),
             "acceptance_rate_per_position": [round(r, 4) for r in self.acceptance_rate_per_position],
             "prefill_s": round(self.prefill_s, 4),

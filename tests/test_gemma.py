@@ -10,6 +10,7 @@ from dropmatch.drafters import ModelDrafter
 from dropmatch.engine import generate
 from dropmatch.heads import bf16_matmul_supported
 from dropmatch.methods import Decoder, MethodConfig
+from dropmatch.prompt_cache import cache_prefix
 
 pytestmark = pytest.mark.gemma
 
@@ -51,6 +52,25 @@ def test_cut_drafts_keep_the_steps_on_fewer_head_rows(gemma):
     assert cut.token_ids == whole.token_ids and cut.stats.accepted_per_step == whole.stats.accepted_per_step
     assert whole.stats.head_rows_per_step == [d + 1 for d in whole.stats.drafted_per_step]
     assert sum(cut.stats.head_rows_per_step) < sum(whole.stats.head_rows_per_step)
+
+
+def test_a_cached_exemplar_prefix_gives_the_cold_steps(gemma):
+    """Two questions after the same worked example: greedy SD started from the target's cached example
+    takes the cold run's steps, on the real pair's sliding-window layers. The int8 draft started from its
+    own may draft otherwise (dynamic quantization scales activations per call, so a split prefill moves its
+    states), and the tokens stay AR's."""
+    exemplar = PROMPTS["math"].split("Question: A farmer")[0]
+    shared = gemma.encode(exemplar)
+    prefix, draft_prefix = cache_prefix(gemma.target, shared), cache_prefix(gemma.draft, shared)
+    for question in ("Question: Ann reads 5 pages a day for 6 days. How many pages?\nAnswer:",
+                     "Question: A bag holds 8 red and 9 blue balls. How many balls?\nAnswer:"):
+        ids = gemma.encode(exemplar + question)
+        cold, warm, both = (generate(gemma.target, ids, drafter=ModelDrafter(gemma.draft, prefix=d), draft_len=5,
+                                     max_new_tokens=24, eos_token_ids=gemma.eos_token_ids, prefix=p)
+                            for p, d in ((None, None), (prefix, None), (prefix, draft_prefix)))
+        assert warm.token_ids == cold.token_ids and warm.stats.accepted_per_step == cold.stats.accepted_per_step
+        assert both.token_ids == cold.token_ids
+        assert warm.stats.cached_prompt_tokens == prefix.usable_length(torch.tensor(ids)) > 20
 
 
 def test_screened_head_is_exact_where_it_matters(gemma):

@@ -17,6 +17,14 @@ rows (``--lookup-first``: n-gram lookup where the context's last bigram or trigr
 EAGLE-3 head elsewhere) run at ``--lookup-len``, beside the same lookup alone at that length, so the head's
 share of the gain shows; the guided row lets the head pick between lookup matches (``--lookup-guide``, see
 :class:`~dropmatch.drafters.LookupFirstDrafter`).
+
+Our rows start from the prompts' shared 4-shot exemplars cached once, outside the clocks
+(:mod:`~dropmatch.prompt_cache`; as a server with a prefix cache would; the int8 draft model's from its own
+cached prefix), and prefill only each question;
+Hugging Face's rows prefill the whole prompt. Our AR and the guided lookup-first row also run with the
+whole prompt prefilled (``cold prefill``): each of our rows is compared with our AR in the same prefill
+setting, and its output with greedy decoding in that setting (HF plain's output for cold rows, our AR's
+for cached ones: a split prefill may move a near-tie). ``--no-prefix-cache`` runs every row cold.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, loa
 from ..drafters.lookup_first import check_lookup_guide
 from ..engine import generate
 from ..models import load_pair
+from ..prompt_cache import PromptPrefix, cache_prefix, shared_prefix
 from ..provenance import describe_model, machine_line
 from .common import SPEED_COLUMNS, SpeedTotals, format_table, gsm8k_fewshot_prompts
 
@@ -49,14 +58,22 @@ def _hf_runner(pair, **kwargs):
     return run
 
 
-def _our_runner(pair, drafter_factory, draft_len):
+COLD = " (cold prefill)"  # the name suffix of our rows that prefill the whole prompt
+
+
+def _our_runner(pair, drafter_factory, draft_len, prefix: PromptPrefix | None = None):
     def run(ids: list[int], max_new: int) -> tuple[list[int], float, float]:
         drafter = drafter_factory() if drafter_factory else None
         result = generate(pair.target, ids, drafter=drafter, draft_len=draft_len, max_new_tokens=max_new,
-                          eos_token_ids=pair.eos_token_ids)
+                          eos_token_ids=pair.eos_token_ids, prefix=prefix)
         return result.token_ids, result.stats.wall_s, result.stats.target_calls, result.stats.prefill_s
 
     return run
+
+
+def _our_ar_name(name: str) -> str:
+    """The AR row ``name`` is compared with: ours in the same prefill setting."""
+    return "ours AR" + COLD if name.endswith(COLD) else "ours AR"
 
 
 def _interval(totals: SpeedTotals, ours_ar: SpeedTotals | None, decode: bool) -> str:
@@ -82,12 +99,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lookup-guide", type=float, default=0.5,
                         help="the guided lookup-first row: the EAGLE-3 head's own draft replaces a disagreeing lookup "
                              "where its first token's untempered draft probability is at least this")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="our rows prefill the whole prompt too (default: the shared exemplars are cached once)")
     parser.add_argument("--only", nargs="+", help="rows whose name contains one of these (HF plain is always run)")
     args = parser.parse_args(argv)
     check_lookup_guide(args.lookup_guide)
 
     pair = load_pair("gemma-3-270m")
     pair.target.prepare()  # the screened head: built before any clock starts
+    prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
+    cached = args.prefix_cache and len(shared_prefix(prompts)) > 0
+    head_dir = committed_head(pair.name)
+    eagle3 = load_head(head_dir, pair.target, dtype=drafting_dtype(pair.target)) if head_dir is not None else None
+    # one prefix serves every row: the EAGLE-3 head's feature layers recorded, the others ignore them
+    layers = Eagle3Drafter(eagle3, pair.target).feature_layers if eagle3 is not None else ()
+    prefix = cache_prefix(pair.target, shared_prefix(prompts), layers) if cached else None
+    draft_prefix = cache_prefix(pair.draft, shared_prefix(prompts)) if cached else None  # the int8 draft's own
     L = args.draft_len
     kind = describe_model(pair.draft).split(" on ")[0]  # e.g. "int8 dynamic", read off the loaded draft
     hf_assist = dict(assistant_model=pair.draft.model, num_assistant_tokens=L,
@@ -97,62 +124,74 @@ def main(argv: list[str] | None = None) -> None:
         "HF generate (plain)": _hf_runner(pair),
         f"HF assisted ({kind} draft, L={L})": _hf_runner(pair, **hf_assist),
         f"HF prompt lookup (L={L})": _hf_runner(pair, prompt_lookup_num_tokens=L),
-        "ours AR": _our_runner(pair, None, L),
-        f"ours SD ({kind} draft, L={L})": _our_runner(pair, lambda: ModelDrafter(pair.draft), L),
-        model_stop_row: _our_runner(pair, lambda: ModelDrafter(pair.draft, args.draft_stop), L),
-        f"ours SD (n-gram, L={L})": _our_runner(pair, NgramDrafter, L),
+        "ours AR": _our_runner(pair, None, L, prefix),
+        f"ours SD ({kind} draft, L={L})": _our_runner(pair, lambda: ModelDrafter(pair.draft, prefix=draft_prefix), L, prefix),
+        model_stop_row: _our_runner(pair, lambda: ModelDrafter(pair.draft, args.draft_stop, draft_prefix), L,
+                                  prefix),
+        f"ours SD (n-gram, L={L})": _our_runner(pair, NgramDrafter, L, prefix),
     }
+    if cached:
+        methods["ours AR" + COLD] = _our_runner(pair, None, L)
     eagle3_row = f"ours SD (EAGLE-3, L={L})"
     eagle3_stop_row = f"ours SD (EAGLE-3, L<={L}, stop below p={args.draft_stop:g})"  # dynamic draft length
-    head_dir = committed_head(pair.name)
-    if head_dir is not None:  # the committed EAGLE-3 head (make train-draft)
-        eagle3 = load_head(head_dir, pair.target, dtype=drafting_dtype(pair.target))
-        methods[eagle3_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target), L)
-        methods[eagle3_stop_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target, args.draft_stop), L)
+    if eagle3 is not None:  # the committed EAGLE-3 head (make train-draft)
+        methods[eagle3_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target), L, prefix)
+        methods[eagle3_stop_row] = _our_runner(pair, lambda: Eagle3Drafter(eagle3, pair.target, args.draft_stop), L,
+                                               prefix)
         lookup_len = args.lookup_len
         methods[f"ours SD (n-gram, bigram or longer, L={lookup_len})"] = _our_runner(
-            pair, lambda: NgramDrafter(min_ngram=2), lookup_len)
+            pair, lambda: NgramDrafter(min_ngram=2), lookup_len, prefix)
         methods[f"ours SD (lookup-first + EAGLE-3, L<={lookup_len}, stop below p={args.draft_stop:g})"] = _our_runner(
-            pair, lambda: LookupFirstDrafter(Eagle3Drafter(eagle3, pair.target, args.draft_stop)), lookup_len)
-        methods[f"ours SD (lookup-first + EAGLE-3 guided at p={args.lookup_guide:g}, L<={lookup_len}, stop below "
-                f"p={args.draft_stop:g})"] = _our_runner(
-            pair, lambda: LookupFirstDrafter(Eagle3Drafter(eagle3, pair.target, args.draft_stop),
-                                             guide_at=args.lookup_guide), lookup_len)
+            pair, lambda: LookupFirstDrafter(Eagle3Drafter(eagle3, pair.target, args.draft_stop)), lookup_len, prefix)
+        guided_row = (f"ours SD (lookup-first + EAGLE-3 guided at p={args.lookup_guide:g}, L<={lookup_len}, stop "
+                      f"below p={args.draft_stop:g})")
+
+        def guided() -> LookupFirstDrafter:
+            return LookupFirstDrafter(Eagle3Drafter(eagle3, pair.target, args.draft_stop), guide_at=args.lookup_guide)
+
+        methods[guided_row] = _our_runner(pair, guided, lookup_len, prefix)
+        if cached:
+            methods[guided_row + COLD] = _our_runner(pair, guided, lookup_len)
     if args.only:
         methods = {k: v for k, v in methods.items() if k == "HF generate (plain)" or any(s in k for s in args.only)}
-    prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
     for run in methods.values():  # warm-up
         run(prompts[0][:64], 8)
     totals = {name: SpeedTotals() for name in methods}
     hf_prefill = _hf_runner(pair)
-    reference: dict[int, list[int]] = {}
+    reference: dict[tuple[int, bool], list[int]] = {}
     for _ in range(args.repeats):
         for i, ids in enumerate(prompts):
             prefill_s = hf_prefill(ids, 1)[1]  # HF rows: the prefill is a one-token generate's time
             for name, run in methods.items():
                 out = run(ids, args.max_new_tokens)
                 tokens, seconds = out[0], out[1]
-                reference.setdefault(i, tokens if name.startswith("HF generate") else None)
+                # the greedy output in this row's prefill setting: HF plain's, or (cached) our AR's
+                setting = cached and name.startswith("ours") and not name.endswith(COLD)
+                if name == "HF generate (plain)" or (setting and name == "ours AR"):
+                    reference[i, setting] = tokens
                 totals[name].add(len(tokens), seconds, out[3] if len(out) > 3 else prefill_s,
                                  out[2] if len(out) > 2 else 0)
-                totals[name].identical &= tokens == reference[i]
+                totals[name].identical &= tokens == reference.get((i, setting), reference[i, False])
     plain = totals["HF generate (plain)"].row()
     assisted_t = totals.get(f"HF assisted ({kind} draft, L={L})")
     assisted = assisted_t.row() if assisted_t else None
-    ours_ar = totals["ours AR"].row() if "ours AR" in totals else None
     rows = []
     for name, t in totals.items():
         speeds = t.row()
+        ar_totals = totals.get(_our_ar_name(name)) if name.startswith("ours") else None
+        ours_ar = ar_totals.row() if ar_totals else None
         rows.append({"method": name, **speeds, "vs HF plain": speeds["tokens/s"] / plain["tokens/s"],
                      "vs HF assisted": speeds["tokens/s"] / assisted["tokens/s"] if assisted else "",
                      "vs ours AR": speeds["tokens/s"] / ours_ar["tokens/s"] if ours_ar else "",
-                     "vs ours AR 95% CI": _interval(t, totals.get("ours AR"), decode=False),
+                     "vs ours AR 95% CI": _interval(t, ar_totals, decode=False),
                      "decode vs HF plain": speeds["decode tokens/s"] / plain["decode tokens/s"],
                      "decode vs ours AR": speeds["decode tokens/s"] / ours_ar["decode tokens/s"] if ours_ar else "",
-                     "decode vs ours AR 95% CI": _interval(t, totals.get("ours AR"), decode=True),
+                     "decode vs ours AR 95% CI": _interval(t, ar_totals, decode=True),
                      "identical to greedy": "yes" if t.identical else "NO"})
+    setting = (f"our rows start from the {prefix.ids.numel()}-token shared exemplars, cached (cold prefill: the "
+               "whole prompt); vs ours AR: the AR row of the same setting" if cached else "every row cold")
     print(f"# engine benchmark: {len(prompts)} 4-shot GSM8K prompts x {args.repeats}, "
-          f"{args.max_new_tokens} new tokens, greedy; {machine_line()}")
+          f"{args.max_new_tokens} new tokens, greedy; {setting}; {machine_line()}")
     print(format_table(rows, ["method", *SPEED_COLUMNS, "vs HF plain", "vs HF assisted", "vs ours AR",
                               "vs ours AR 95% CI", "decode vs HF plain", "decode vs ours AR",
                               "decode vs ours AR 95% CI", "identical to greedy"]))

@@ -6,6 +6,7 @@ import torch
 
 from ..errors import PromptTooLongError
 from ..models import CausalLM, rollback
+from ..prompt_cache import PromptPrefix
 from ..sampling import SamplingConfig, argmax, sample_with_uniform
 from .base import Draft, check_stop_below, draft_confidence
 
@@ -28,13 +29,18 @@ class ModelDrafter:
     Context length: the draft never runs past its ``max_positions``. Near the end of its context it
     proposes fewer tokens, then none (the target then emits one token per step, still exactly); a
     prompt longer than that context is a :class:`~dropmatch.errors.PromptTooLongError`.
+
+    ``prefix``: the draft model's own :class:`~dropmatch.prompt_cache.PromptPrefix` (``cache_prefix(model,
+    ids)``), whose positions ``start`` copies instead of prefilling them. A dynamically quantized draft (the
+    int8 self-draft) scales activations per call, so its states, and so its drafts, may differ from a
+    whole-prompt prefill's; the target's tokens do not.
     """
 
     name = "model"
 
-    def __init__(self, model: CausalLM, stop_below: float | None = None):
+    def __init__(self, model: CausalLM, stop_below: float | None = None, prefix: PromptPrefix | None = None):
         check_stop_below(stop_below)
-        self.model, self.stop_below = model, stop_below
+        self.model, self.stop_below, self.prefix = model, stop_below, prefix
         self.cache = None
         self._pending: list[int] = []
         self._proposed: list[int] = []
@@ -46,7 +52,7 @@ class ModelDrafter:
                 f"prompt of {prompt_ids.numel()} tokens exceeds the draft model's context of "
                 f"{self.model.max_positions} tokens; shorten the prompt or use a draft with a longer context"
             )
-        self.cache, _ = self.model.new_cache(rollback=True, prompt_ids=prompt_ids)
+        self.cache, _ = self.model.new_cache(rollback=True, prompt_ids=prompt_ids, prefix=self.prefix)
         self._pending, self._proposed, self._following = [], [], False
 
     def propose(self, last_token: int, n: int, sampling: SamplingConfig, generator: torch.Generator) -> Draft:
