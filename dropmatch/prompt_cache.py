@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .models import CausalLM
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class PromptPrefix:
     ``None`` without layers.
     """
 
-    model: object
+    model: CausalLM
     ids: torch.Tensor
     states: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     layers: tuple[int, ...] = ()
@@ -62,7 +66,7 @@ def shared_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
     return first[:n]
 
 
-def cache_prefix(target, prefix_ids: Sequence[int] | torch.Tensor, layers: Sequence[int] = ()) -> PromptPrefix:
+def cache_prefix(target: CausalLM, prefix_ids: Sequence[int] | torch.Tensor, layers: Sequence[int] = ()) -> PromptPrefix:
     """Run ``target``'s trunk over ``prefix_ids`` once and keep what later prompts starting with them
     reuse. ``layers``: the feature layers of the drafter the prefix will serve
     (``drafter.feature_layers`` for EAGLE-3; none for the others)."""
