@@ -1,7 +1,8 @@
 """A prompt prefix computed once: few-shot exemplars shared by every prompt of a task or benchmark.
 
-GSM8K's 8-shot prompts share ~1300 tokens of exemplars and differ in a ~60-token question; on the
-embedded pair (2 cores) the trunk takes ~2.5 s to prefill them, for every prompt and every method.
+``make bench-engine``'s 4-shot GSM8K prompts share 565 tokens of exemplars and differ in a 29-67-token
+question; on the embedded pair (2 cores) the trunk takes 1.2-1.45 s to prefill a prompt, for every prompt
+and every method.
 :func:`cache_prefix` runs the trunk over the shared tokens once and keeps their keys and values (and the
 features an EAGLE-3 drafter reads); :func:`~dropmatch.engine.generate` given that prefix copies the
 states of the positions it shares with its prompt into a fresh cache and prefills only the rest, as
@@ -27,14 +28,14 @@ if TYPE_CHECKING:
     from .models import CausalLM
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: identity, not elementwise ==
 class PromptPrefix:
     """Prompt tokens whose target states are computed.
 
     ``model`` the :class:`~dropmatch.models.CausalLM` that computed them (only it may use them); ``ids``
     (n,) int64; ``states`` per cache layer its keys and values (1, kv_heads, n, head_dim); ``layers`` the
     feature layers recorded (``hidden_states`` indices, as
-    :meth:`~dropmatch.models.CausalLM.hidden_and_features` takes them) and ``features`` (n, len(layers) d),
+    :meth:`~dropmatch.models.CausalLM.hidden_and_features` takes them) and ``features`` (n, len(layers) * d),
     ``None`` without layers.
     """
 
@@ -70,18 +71,17 @@ def cache_prefix(target: CausalLM, prefix_ids: Sequence[int] | torch.Tensor, lay
     """Run ``target``'s trunk over ``prefix_ids`` once and keep what later prompts starting with them
     reuse. ``layers``: the feature layers of the drafter the prefix will serve
     (``drafter.feature_layers`` for EAGLE-3; none for the others)."""
-    ids = torch.as_tensor(list(prefix_ids) if not isinstance(prefix_ids, torch.Tensor) else prefix_ids,
-                          dtype=torch.long).view(-1).to(target.device)
+    ids = torch.as_tensor(prefix_ids, dtype=torch.long).view(-1).to(target.device)
     if ids.numel() == 0:
         raise ConfigError("a prompt prefix needs at least one token")
     with torch.inference_mode():
         cache, _, features = target.new_cache_with_features(ids, tuple(layers), rollback=False)
     states = []
     for layer in cache.layers:
-        buffer = getattr(layer, "buffer", None)
-        if buffer is None:
-            raise ConfigError(f"prefix caching needs key-value cache layers; {type(target.model).__name__} has "
-                              f"{type(layer).__name__}")
+        buffer = getattr(layer, "buffer", None) if getattr(layer, "is_initialized", False) else None
+        if buffer is None:  # another layer type, or one the trunk never filled (a layer sharing another's states)
+            raise ConfigError(f"prefix caching needs every cache layer filled with keys and values by the prefill; "
+                              f"{type(target.model).__name__} has a {type(layer).__name__} that is not")
         states.append(buffer.view())
     return PromptPrefix(target, ids, tuple(states), tuple(layers), features)
 

@@ -55,12 +55,13 @@ def test_cut_drafts_keep_the_steps_on_fewer_head_rows(gemma):
 
 
 def test_a_cached_exemplar_prefix_gives_the_cold_steps(gemma):
-    """Two questions after the same worked example: greedy SD started from the target's cached example
-    takes the cold run's steps, on the real pair's sliding-window layers. The int8 draft started from its
-    own may draft otherwise (dynamic quantization scales activations per call, so a split prefill moves its
-    states), and the tokens stay AR's."""
-    exemplar = PROMPTS["math"].split("Question: A farmer")[0]
+    """Two questions after the same worked examples: greedy SD started from the target's cached examples
+    takes the cold run's steps. The examples are longer than the sliding window (512) of five in six layers.
+    The int8 draft started from its own may draft otherwise (dynamic quantization scales activations per call,
+    so a split prefill moves its states), and the tokens stay AR's."""
+    exemplar = PROMPTS["math"].split("Question: A farmer")[0] * 12
     shared = gemma.encode(exemplar)
+    assert len(shared) > 512 + 20
     prefix, draft_prefix = cache_prefix(gemma.target, shared), cache_prefix(gemma.draft, shared)
     for question in ("Question: Ann reads 5 pages a day for 6 days. How many pages?\nAnswer:",
                      "Question: A bag holds 8 red and 9 blue balls. How many balls?\nAnswer:"):
@@ -70,7 +71,7 @@ def test_a_cached_exemplar_prefix_gives_the_cold_steps(gemma):
                             for p, d in ((None, None), (prefix, None), (prefix, draft_prefix)))
         assert warm.token_ids == cold.token_ids and warm.stats.accepted_per_step == cold.stats.accepted_per_step
         assert both.token_ids == cold.token_ids
-        assert warm.stats.cached_prompt_tokens == prefix.usable_length(torch.tensor(ids)) > 20
+        assert warm.stats.cached_prompt_tokens == prefix.usable_length(torch.tensor(ids)) > 512
 
 
 def test_screened_head_is_exact_where_it_matters(gemma):

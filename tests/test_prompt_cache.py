@@ -12,6 +12,7 @@ from dropmatch.drafters.eagle3 import Eagle3Drafter
 from dropmatch.engine import generate
 from dropmatch.errors import ConfigError
 from dropmatch.prompt_cache import cache_prefix, shared_prefix
+from dropmatch.sampling import SamplingConfig
 
 from .test_eagle3 import random_head
 
@@ -97,6 +98,22 @@ def test_decoding_from_a_prefix_repeats_a_cold_generation(arch, request):
             assert (warm.stats.cached_prompt_tokens, cold.stats.cached_prompt_tokens) == (30, 0)
             outputs.add(tuple(warm.token_ids))
         assert len(outputs) == 1  # SD from the prefix equals AR from it
+
+
+def test_a_prompt_inside_the_prefix_and_sampling_repeat_cold_runs(tiny_gemma):
+    """A prompt the prefix covers whole (its last position still runs) and speculative sampling from a prefix,
+    same seed: the cold run's tokens."""
+    pair = tiny_gemma
+    prompt = _prompts(24, (8,))[0]
+    prefix = cache_prefix(pair.target, prompt)
+    inside = prompt[:15]
+    cold, warm = (generate(pair.target, inside, max_new_tokens=12, prefix=p) for p in (None, prefix))
+    assert warm.token_ids == cold.token_ids and warm.stats.cached_prompt_tokens == 14
+    sampling = SamplingConfig(temperature=1.0)
+    cold, warm = (generate(pair.target, prompt, drafter=ModelDrafter(pair.draft), draft_len=3, max_new_tokens=30,
+                           sampling=sampling, seed=7, prefix=p) for p in (None, prefix))
+    assert warm.token_ids == cold.token_ids and warm.stats.accepted_per_step == cold.stats.accepted_per_step
+    assert warm.stats.cached_prompt_tokens == prompt.numel() - 1
 
 
 def test_a_prefix_serves_only_its_model_and_its_feature_layers(tiny):
