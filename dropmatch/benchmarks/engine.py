@@ -2,8 +2,9 @@
 
     python -m dropmatch.benchmarks.engine [--prompts 4] [--max-new-tokens 96] [--draft-len 5] [--repeats 2]
 
-All rows are measured in one process, interleaved prompt by prompt, on 4-shot GSM8K prompts with
-greedy decoding, after one warm-up generation per method. Tokens/s is total new tokens over total
+All rows are measured in one process, interleaved prompt by prompt (each round of rows starting one row later
+than the last, so that no row always follows the same one), on 4-shot GSM8K prompts with greedy decoding,
+after one warm-up generation per method. Tokens/s is total new tokens over total
 wall time (prefill included) per method, beside the mean over generations and the decode tokens/s
 after the prefill (Hugging Face rows: minus the time of a one-token ``generate`` on the same prompt);
 tau is ours (per target forward, prefill included), paper tau per verify step. Speedups are ratios
@@ -168,24 +169,22 @@ def main(argv: list[str] | None = None) -> None:
         run(prompts[0], 8)
     totals = {name: SpeedTotals() for name in methods}
     hf_prefill = _hf_runner(pair)
-    greedy: dict[int, list[int]] = {}  # HF plain's output: greedy decoding with the whole prompt prefilled
-    cached_greedy: dict[int, list[int]] = {}  # our AR's from the cached exemplars
-    for _ in range(args.repeats):
+    names = list(methods)
+    for repeat in range(args.repeats):
         for i, ids in enumerate(prompts):
             prefill_s = hf_prefill(ids, 1)[1]  # HF rows: the prefill is a one-token generate's time
-            for name, run in methods.items():
-                out = run(ids, args.max_new_tokens)
-                tokens, seconds = out[0], out[1]
-                if name == "HF generate (plain)":
-                    greedy[i] = tokens
-                elif name == "ours AR" and cached:
-                    cached_greedy[i] = tokens
-                # SD from the cached exemplars against AR from them (a split prefill may move a near-tie);
-                # every other row, our cached AR included, against HF plain
-                sd_cached = _is_cached(name, cached) and name != "ours AR" and i in cached_greedy
-                totals[name].add(len(tokens), seconds, out[3] if len(out) > 3 else prefill_s,
+            shift = (repeat * len(prompts) + i) % len(names)  # each round starts one row later: no fixed neighbours
+            outputs = {}
+            for name in names[shift:] + names[:shift]:
+                out = methods[name](ids, args.max_new_tokens)
+                outputs[name] = out[0]
+                totals[name].add(len(out[0]), out[1], out[3] if len(out) > 3 else prefill_s,
                                  out[2] if len(out) > 2 else 0)
-                totals[name].identical &= tokens == (cached_greedy[i] if sd_cached else greedy[i])
+            for name, tokens in outputs.items():
+                # SD from the cached exemplars against AR from them (a split prefill may move a near-tie);
+                # every other row, our cached AR included, against HF plain's greedy output
+                sd_cached = _is_cached(name, cached) and name != "ours AR" and "ours AR" in outputs
+                totals[name].identical &= tokens == outputs["ours AR" if sd_cached else "HF generate (plain)"]
     plain = totals["HF generate (plain)"].row()
     assisted_t = totals.get(f"HF assisted ({kind} draft, L={L})")
     assisted = assisted_t.row() if assisted_t else None
