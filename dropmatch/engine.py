@@ -209,7 +209,7 @@ def generate(
         # features: the target's chosen-layer states, for drafters that read them (EAGLE-3); else None
         cache, hidden, features = target.new_cache_with_features(prompt, layers, rollback=drafter is not None,
                                                                  prefix=prefix)
-        stats.cached_prompt_tokens = prefix.usable_length(prompt) if prefix is not None else 0
+        stats.cached_prompt_tokens = prompt.numel() - hidden.shape[0]  # the positions the trunk did not run
         token = choose_token(target.head(hidden[-1:], exact=not sampling.greedy)[0], sampling, generator)
         output = [token]
         stats.target_calls = stats.target_tokens = 1

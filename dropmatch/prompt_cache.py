@@ -18,14 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from .models import CausalLM
 
 
 @dataclass(frozen=True, eq=False)  # tensors: identity, not elementwise ==
@@ -39,7 +35,7 @@ class PromptPrefix:
     ``None`` without layers.
     """
 
-    model: CausalLM
+    model: object  # a dropmatch.models.CausalLM (not imported: models builds on this module)
     ids: torch.Tensor
     states: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     layers: tuple[int, ...] = ()
@@ -67,8 +63,8 @@ def shared_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
     return first[:n]
 
 
-def cache_prefix(target: CausalLM, prefix_ids: Sequence[int] | torch.Tensor, layers: Sequence[int] = ()) -> PromptPrefix:
-    """Run ``target``'s trunk over ``prefix_ids`` once and keep what later prompts starting with them
+def cache_prefix(target, prefix_ids: Sequence[int] | torch.Tensor, layers: Sequence[int] = ()) -> PromptPrefix:
+    """Run ``target``'s (a :class:`~dropmatch.models.CausalLM`) trunk over ``prefix_ids`` once and keep what later prompts starting with them
     reuse. ``layers``: the feature layers of the drafter the prefix will serve
     (``drafter.feature_layers`` for EAGLE-3; none for the others)."""
     ids = torch.as_tensor(prefix_ids, dtype=torch.long).view(-1).to(target.device)

@@ -117,13 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     pair = load_pair("gemma-3-270m")
     pair.target.prepare()  # the screened head: built before any clock starts
     prompts = [pair.encode(p) for p in gsm8k_fewshot_prompts(args.prompts)]
-    cached = args.prefix_cache and len(shared_prefix(prompts)) > 0
+    shared = shared_prefix(prompts)
+    cached = args.prefix_cache and len(shared) > 0
     head_dir = committed_head(pair.name)
     eagle3 = load_head(head_dir, pair.target, dtype=drafting_dtype(pair.target)) if head_dir is not None else None
     # one prefix serves every row: the EAGLE-3 head's feature layers recorded, the others ignore them
     layers = Eagle3Drafter(eagle3, pair.target).feature_layers if eagle3 is not None else ()
-    prefix = cache_prefix(pair.target, shared_prefix(prompts), layers) if cached else None
-    draft_prefix = cache_prefix(pair.draft, shared_prefix(prompts)) if cached else None  # the int8 draft's own
+    prefix = cache_prefix(pair.target, shared, layers) if cached else None
+    draft_prefix = cache_prefix(pair.draft, shared) if cached else None  # the int8 draft's own
     L = args.draft_len
     kind = describe_model(pair.draft).split(" on ")[0]  # e.g. "int8 dynamic", read off the loaded draft
     hf_assist = dict(assistant_model=pair.draft.model, num_assistant_tokens=L,
