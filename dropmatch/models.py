@@ -26,7 +26,7 @@ from torch import nn
 from .errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
 from .heads.screened import ScreenedHead
 from .hub import hub_reachable
-from .kv_cache import use_in_place_layers
+from .kv_cache import fill_from, filled_states, use_in_place_layers
 from .onednn_linear import (
     FewRowLinear,
     WeightWatch,
@@ -35,7 +35,7 @@ from .onednn_linear import (
     shared_few_row_linear,
 )
 from .paths import cache_root
-from .prompt_cache import PromptPrefix, start_from
+from .prompt_cache import PromptPrefix
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class CausalLM:
                                 rollback: bool = True, prefix: PromptPrefix | None = None):
         """:meth:`new_cache`, also returning the chosen layers' states of the prompt:
         ``(cache, hidden (n, d), features (n, len(layers) * d))``; ``None`` for what was not asked for.
-        With a ``prefix`` (:func:`~dropmatch.prompt_cache.cache_prefix`) the positions it shares with the
+        With a ``prefix`` (:meth:`cache_prefix`) the positions it shares with the
         prompt are copied, not run: ``hidden`` then holds only the rows after them (``features``: all
         rows), and :func:`~dropmatch.prompt_cache.PromptPrefix.usable_length` says how many were copied."""
         from transformers import DynamicCache
@@ -240,20 +240,36 @@ class CausalLM:
         use_in_place_layers(cache)  # updates write in place, no per-step concatenation
         hidden = features = None
         if prefix is not None and prefix.model is not self:
-            raise ConfigError("this prompt prefix was cached with another model; cache_prefix(model, ids) for each")
+            raise ConfigError("this prompt prefix was cached with another model; model.cache_prefix(ids) for each")
         if prompt_ids is not None:
             n = prefix.usable_length(prompt_ids) if prefix is not None else 0
             if n and tuple(layers) and tuple(layers) != prefix.layers:
                 raise ConfigError(f"this prompt prefix recorded feature layers {prefix.layers}, the drafter reads "
-                                  f"{tuple(layers)}: cache it with cache_prefix(target, ids, layers={tuple(layers)})")
+                                  f"{tuple(layers)}: cache it with target.cache_prefix(ids, layers={tuple(layers)})")
             if n:
-                start_from(cache, prefix, n)
+                fill_from(cache, prefix.states, n)
             hidden, features = self.hidden_and_features(prompt_ids[n:], cache, layers)
             if n and features is not None:
                 features = torch.cat([prefix.features[:n], features])
         if rollback and hasattr(cache, "activate_past_recording"):
             cache.activate_past_recording()
         return cache, hidden, features
+
+    def cache_prefix(self, prefix_ids: Sequence[int] | torch.Tensor, layers: Sequence[int] = ()) -> PromptPrefix:
+        """Run the trunk over ``prefix_ids`` (n,) once and keep what later prompts starting with them reuse
+        (:mod:`~dropmatch.prompt_cache`; ``generate(..., prefix=...)``). ``layers``: the feature layers of the
+        drafter the prefix will serve (``drafter.feature_layers`` for EAGLE-3; none for the others)."""
+        ids = torch.as_tensor(prefix_ids, dtype=torch.long).view(-1).to(self.device)
+        if ids.numel() == 0:
+            raise ConfigError("a prompt prefix needs at least one token")
+        with torch.inference_mode():
+            cache, _, features = self.new_cache_with_features(ids, tuple(layers), rollback=False)
+        try:
+            states = filled_states(cache)
+        except ValueError as error:
+            raise ConfigError(f"prefix caching needs every cache layer filled with keys and values by the prefill; "
+                              f"{type(self.model).__name__} has {error}") from None
+        return PromptPrefix(self, ids, states, tuple(layers), features)
 
     def screens(self, n_rows: int, exact: bool) -> bool:
         """Whether :meth:`head` on ``n_rows`` rows returns screened logits (exact argmax, bfloat16 accuracy

@@ -3,8 +3,9 @@
 ``make bench-engine``'s 4-shot GSM8K prompts share 565 tokens of exemplars and differ in a 29-67-token
 question; on the embedded pair (2 cores) the trunk takes 1.2-1.45 s to prefill a prompt, for every prompt
 and every method.
-:func:`cache_prefix` runs the trunk over the shared tokens once and keeps their keys and values (and the
-features an EAGLE-3 drafter reads); :func:`~dropmatch.engine.generate` given that prefix copies the
+:meth:`CausalLM.cache_prefix <dropmatch.models.CausalLM.cache_prefix>` runs the trunk over the shared tokens
+once and keeps their keys and values (and the features an EAGLE-3 drafter reads);
+:func:`~dropmatch.engine.generate` given that prefix copies the
 states of the positions it shares with its prompt into a fresh cache and prefills only the rest, as
 serving engines' prefix caches do (vLLM's automatic prefix caching).
 
@@ -20,8 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from .errors import ConfigError
 
 
 @dataclass(frozen=True, eq=False)  # tensors: identity, not elementwise ==
@@ -61,29 +60,3 @@ def shared_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
     for p in prompts[1:]:
         n = next((i for i, (a, b) in enumerate(zip(first[:n], p[:n], strict=True)) if a != b), n)
     return first[:n]
-
-
-def cache_prefix(target, prefix_ids: Sequence[int] | torch.Tensor, layers: Sequence[int] = ()) -> PromptPrefix:
-    """Run ``target``'s (a :class:`~dropmatch.models.CausalLM`) trunk over ``prefix_ids`` once and keep what later prompts starting with them
-    reuse. ``layers``: the feature layers of the drafter the prefix will serve
-    (``drafter.feature_layers`` for EAGLE-3; none for the others)."""
-    ids = torch.as_tensor(prefix_ids, dtype=torch.long).view(-1).to(target.device)
-    if ids.numel() == 0:
-        raise ConfigError("a prompt prefix needs at least one token")
-    with torch.inference_mode():
-        cache, _, features = target.new_cache_with_features(ids, tuple(layers), rollback=False)
-    states = []
-    for layer in cache.layers:
-        buffer = getattr(layer, "buffer", None) if getattr(layer, "is_initialized", False) else None
-        if buffer is None:  # another layer type, or one the trunk never filled (a layer sharing another's states)
-            raise ConfigError(f"prefix caching needs every cache layer filled with keys and values by the prefill; "
-                              f"{type(target.model).__name__} has a {type(layer).__name__} that is not")
-        states.append(buffer.view())
-    return PromptPrefix(target, ids, tuple(states), tuple(layers), features)
-
-
-def start_from(cache, prefix: PromptPrefix, n: int) -> None:
-    """Fill an empty in-place ``cache`` (:func:`~dropmatch.kv_cache.use_in_place_layers`) with the
-    prefix's first ``n`` positions, as a prefill of those tokens would have left it."""
-    for i, (keys, values) in enumerate(prefix.states):
-        cache.update(keys[..., :n, :], values[..., :n, :], i)

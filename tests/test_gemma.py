@@ -10,7 +10,6 @@ from dropmatch.drafters import ModelDrafter
 from dropmatch.engine import generate
 from dropmatch.heads import bf16_matmul_supported
 from dropmatch.methods import Decoder, MethodConfig
-from dropmatch.prompt_cache import cache_prefix
 
 pytestmark = pytest.mark.gemma
 
@@ -62,7 +61,7 @@ def test_a_cached_exemplar_prefix_gives_the_cold_steps(gemma):
     exemplar = PROMPTS["math"].split("Question: A farmer")[0] * 12
     shared = gemma.encode(exemplar)
     assert len(shared) > 512 + 20
-    prefix, draft_prefix = cache_prefix(gemma.target, shared), cache_prefix(gemma.draft, shared)
+    prefix, draft_prefix = gemma.target.cache_prefix(shared), gemma.draft.cache_prefix(shared)
     for question in ("Question: Ann reads 5 pages a day for 6 days. How many pages?\nAnswer:",
                      "Question: A bag holds 8 red and 9 blue balls. How many balls?\nAnswer:"):
         ids = gemma.encode(exemplar + question)

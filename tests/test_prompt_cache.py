@@ -1,4 +1,4 @@
-"""A cached prompt prefix (``cache_prefix``, ``generate(prefix=...)``): the cache it starts is the one a
+"""A cached prompt prefix (``CausalLM.cache_prefix``, ``generate(prefix=...)``): the cache it starts is the one a
 whole-prompt prefill builds, decoding from it gives the same tokens and drafts, and a prefix from another
 model or with other feature layers is refused."""
 
@@ -11,7 +11,7 @@ from dropmatch.drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from dropmatch.drafters.eagle3 import Eagle3Drafter
 from dropmatch.engine import generate
 from dropmatch.errors import ConfigError
-from dropmatch.prompt_cache import cache_prefix, shared_prefix
+from dropmatch.prompt_cache import shared_prefix
 from dropmatch.sampling import SamplingConfig
 
 from .test_eagle3 import random_head
@@ -35,7 +35,7 @@ def test_shared_prefix_is_the_longest_common_one():
 
 
 def test_usable_length_is_the_shared_part_short_of_the_last_prompt_token(tiny):
-    prefix = cache_prefix(tiny.target, [4, 5, 6, 7])
+    prefix = tiny.target.cache_prefix([4, 5, 6, 7])
     assert prefix.usable_length(torch.tensor([4, 5, 6, 7, 8, 9])) == 4
     assert prefix.usable_length(torch.tensor([4, 5, 9, 7, 8])) == 2  # diverges at position 2
     assert prefix.usable_length(torch.tensor([4, 5, 6, 7])) == 3  # the last position must run
@@ -51,7 +51,7 @@ def test_a_started_cache_holds_the_states_of_a_whole_prompt_prefill(arch, reques
     target = request.getfixturevalue(arch).target
     prompt = _prompts(20, (9,))[0]
     layers = (1, 2)
-    prefix = cache_prefix(target, prompt[:20], layers)
+    prefix = target.cache_prefix(prompt[:20], layers)
     with torch.inference_mode():
         cold, cold_hidden, cold_features = target.new_cache_with_features(prompt, layers)
         warm, warm_hidden, warm_features = target.new_cache_with_features(prompt, layers, prefix=prefix)
@@ -67,8 +67,7 @@ def test_a_started_cache_holds_the_states_of_a_whole_prompt_prefill(arch, reques
                                        rtol=1e-4, atol=1e-5)
 
 
-def _drafters(pair, prefix_of_draft):
-    head = random_head(pair.target, draft_vocab=64, seed=3)
+def _drafters(pair, head, prefix_of_draft):
     return {"ar": lambda: None,
             "n-gram": NgramDrafter,
             "model": lambda: ModelDrafter(pair.draft, stop_below=0.3, prefix=prefix_of_draft),
@@ -82,10 +81,10 @@ def test_decoding_from_a_prefix_repeats_a_cold_generation(arch, request):
     proposed the same drafts."""
     pair = request.getfixturevalue(arch)
     prompts = _prompts(30, (6, 11))
-    layers = Eagle3Drafter(random_head(pair.target, draft_vocab=64, seed=3), pair.target).feature_layers
+    head = random_head(pair.target, draft_vocab=64, seed=3)
     shared = shared_prefix([p.tolist() for p in prompts])
-    prefix = cache_prefix(pair.target, shared, layers)
-    drafters = _drafters(pair, cache_prefix(pair.draft, shared))
+    prefix = pair.target.cache_prefix(shared, Eagle3Drafter(head, pair.target).feature_layers)
+    drafters = _drafters(pair, head, pair.draft.cache_prefix(shared))
     for prompt in prompts:
         outputs = set()
         for name, make in drafters.items():
@@ -105,7 +104,7 @@ def test_a_prompt_inside_the_prefix_and_sampling_repeat_cold_runs(tiny_gemma):
     same seed: the cold run's tokens."""
     pair = tiny_gemma
     prompt = _prompts(24, (8,))[0]
-    prefix = cache_prefix(pair.target, prompt)
+    prefix = pair.target.cache_prefix(prompt)
     inside = prompt[:15]
     cold, warm = (generate(pair.target, inside, max_new_tokens=12, prefix=p) for p in (None, prefix))
     assert warm.token_ids == cold.token_ids and warm.stats.cached_prompt_tokens == 14
@@ -118,11 +117,11 @@ def test_a_prompt_inside_the_prefix_and_sampling_repeat_cold_runs(tiny_gemma):
 
 def test_a_prefix_serves_only_its_model_and_its_feature_layers(tiny):
     prompt = _prompts(12, (5,))[0]
-    prefix = cache_prefix(tiny.target, prompt[:12], layers=(1,))
+    prefix = tiny.target.cache_prefix(prompt[:12], layers=(1,))
     with pytest.raises(ConfigError, match="another model"):
         generate(tiny.draft, prompt, max_new_tokens=2, prefix=prefix)
     head = random_head(tiny.target, draft_vocab=64, seed=3)
     with pytest.raises(ConfigError, match="feature layers"):
         generate(tiny.target, prompt, drafter=Eagle3Drafter(head, tiny.target), max_new_tokens=2, prefix=prefix)
     with pytest.raises(ConfigError, match="at least one token"):
-        cache_prefix(tiny.target, [])
+        tiny.target.cache_prefix([])

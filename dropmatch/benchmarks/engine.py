@@ -34,6 +34,7 @@ cold.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -42,8 +43,9 @@ from ..drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
 from ..drafters.lookup_first import check_lookup_guide
 from ..engine import generate
+from ..errors import run_command
 from ..models import load_pair
-from ..prompt_cache import PromptPrefix, cache_prefix, shared_prefix
+from ..prompt_cache import PromptPrefix, shared_prefix
 from ..provenance import describe_model, machine_line
 from .common import SPEED_COLUMNS, SpeedTotals, format_table, gsm8k_fewshot_prompts
 
@@ -123,8 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     eagle3 = load_head(head_dir, pair.target, dtype=drafting_dtype(pair.target)) if head_dir is not None else None
     # one prefix serves every row: the EAGLE-3 head's feature layers recorded, the others ignore them
     layers = Eagle3Drafter(eagle3, pair.target).feature_layers if eagle3 is not None else ()
-    prefix = cache_prefix(pair.target, shared, layers) if cached else None
-    draft_prefix = cache_prefix(pair.draft, shared) if cached else None  # the int8 draft's own
+    prefix = pair.target.cache_prefix(shared, layers) if cached else None
+    draft_prefix = pair.draft.cache_prefix(shared) if cached else None  # the int8 draft's own
     L = args.draft_len
     kind = describe_model(pair.draft).split(" on ")[0]  # e.g. "int8 dynamic", read off the loaded draft
     hf_assist = dict(assistant_model=pair.draft.model, num_assistant_tokens=L,
@@ -217,4 +219,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

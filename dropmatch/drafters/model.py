@@ -30,10 +30,10 @@ class ModelDrafter:
     proposes fewer tokens, then none (the target then emits one token per step, still exactly); a
     prompt longer than that context is a :class:`~dropmatch.errors.PromptTooLongError`.
 
-    ``prefix``: the draft model's own :class:`~dropmatch.prompt_cache.PromptPrefix` (``cache_prefix(model,
-    ids)``), whose positions ``start`` copies instead of prefilling them. A dynamically quantized draft (the
-    int8 self-draft) scales activations per call, so its states, and so its drafts, may differ from a
-    whole-prompt prefill's; the target's tokens do not.
+    ``prefix``: the draft model's own :class:`~dropmatch.prompt_cache.PromptPrefix` (``model.cache_prefix(ids)``),
+    whose positions ``start`` copies instead of prefilling them. A dynamically quantized draft (the int8 self-draft)
+    scales activations per call, so its states, and so its drafts, may differ from a whole-prompt prefill's; the
+    target's tokens do not.
     """
 
     name = "model"
