@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .errors import ConfigError, DropMatchError
+from .errors import ConfigError, DropMatchError, run_command
 from .fidelity import compare_to_greedy, summarize_fidelity
 from .methods import METHODS, Decoder, MethodConfig
 from .models import GEMMA_PAIR, PAIRS, load_pair
@@ -363,8 +363,4 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (DropMatchError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(args.func, args)

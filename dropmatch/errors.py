@@ -1,5 +1,10 @@
 """Errors raised for bad input. Each message says what was wrong and how to fix it."""
 
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
 
 class DropMatchError(Exception):
     """Base class for every error this package raises on purpose."""
@@ -32,3 +37,14 @@ class SandboxError(DropMatchError, OSError):
 class JudgeError(DropMatchError, OSError):
     """The LLM judge endpoint cannot be reached, refuses the request, or does not answer as an OpenAI-compatible
     chat-completions server does."""
+
+
+def run_command(func: Callable[..., int | None], *args) -> int:
+    """Call ``func(*args)`` as a command-line entry point and return its exit status: its own (0 for ``None``),
+    or 2 after printing ``error: <message>`` for bad input (any :class:`DropMatchError`, a missing file), so
+    that bad input never ends in a traceback."""
+    try:
+        return func(*args) or 0
+    except (DropMatchError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -70,9 +70,13 @@ def test_fused_heads_are_named_and_charged_no_read():
 def test_overhead_table_charges_floors_to_dropmatch_rows_only():
     pair = load_pair("tiny")
     prompt = pair.encode("The quick brown fox")
-    table = measure_overhead(pair, [prompt], max_new_tokens=24, repeats=1, p_drops=(0.05,), criteria=("naive",))
+    table = measure_overhead(pair, [prompt], max_new_tokens=24, repeats=2, p_drops=(0.05,), criteria=("naive",))
     standard, dropmatch = table.iloc[0], table.iloc[-1]
     assert pd.isna(standard["streaming read (ms)"])
     assert dropmatch["positions with heads / step"] > 0
     assert dropmatch["MB read / position"] > 0
     assert dropmatch["read floor (% of verify step)"] > 0
+    # each pass's overhead against its own standard steps; the pooled one lies between them
+    per_pass = [float(v) for v in dropmatch["per pass (%)"].split(", ")]
+    assert len(per_pass) == 2 and [float(v) for v in standard["per pass (%)"].split(", ")] == [0.0, 0.0]
+    assert min(per_pass) - 0.05 <= dropmatch["head overhead (% of verify step)"] <= max(per_pass) + 0.05

@@ -13,10 +13,12 @@ verification time per step (the drafters run interleaved, prompt by prompt, so t
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
 from ..engine import generate
+from ..errors import run_command
 from ..models import load_pair
 from ..provenance import machine_line
 from ..runner import merge_stats
@@ -71,4 +73,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

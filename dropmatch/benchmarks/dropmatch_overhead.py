@@ -3,10 +3,13 @@
     python -m dropmatch.benchmarks.dropmatch_overhead [--prompts 4] [--max-new-tokens 96] [--repeats 3]
 
 1. Greedy standard SD runs on 4-shot GSM8K prompts: once to warm up (first-call reorders), once timed
-   for the mean verify-step time (target trunk + head + rule), once recording every verify step's draft
-   and target hidden states. The recording run is not the timed one: holding ~100 steps' logits made
-   each step allocate fresh memory, which put ~20 ms on a 55 ms step of a 2-core AMX Xeon (78 against
-   55.5 ms) and so understated every overhead below (issue 10's figures before 2026-12-06 included).
+   (shown beside the table's step), once recording every verify step's draft and target hidden states. The
+   recording run is not a timed one: holding ~100 steps' logits made each step allocate fresh memory, which
+   put ~20 ms on a 55 ms step of a 2-core AMX Xeon (78 against 55.5 ms) and so understated every overhead
+   below (issue 10's figures before 2026-12-06 included). Each pass of step 2 is preceded by another timed
+   run, and the overheads divide each pass's extra time by the standard verify steps of the same stretch
+   (target trunk + head + rule; before 2026-12-07 one step timed minutes before the replays divided them all,
+   on a machine whose speed drifts by tens of % within minutes).
 2. The recorded steps are replayed through the head and each rule (interleaved, repeated, identical
    inputs, each timed step after a read of as many bytes as the float32 LM head, so that every rule meets the
    caches as a verify step does and none the state another rule left): standard verification and DropMatch (naive, js+majority; K = 5) at p_drop = 0.032 (the
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 
@@ -50,6 +54,7 @@ import torch
 from .. import kernels
 from ..drafters import Draft, ModelDrafter
 from ..engine import cut_draft, generate, verify_step
+from ..errors import run_command
 from ..heads.byte_columns import BYTE_ROWWISE
 from ..heads.dropout import DropoutHead, expected_union_fraction
 from ..methods import Decoder, MethodConfig, build_rule
@@ -96,7 +101,11 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                      head_dtypes: Sequence[str] = ("bfloat16",)) -> pd.DataFrame:
     """One row per rule: head + rule time per step (mask generation included: it happens inside
     ``verify_step``), positions with heads per step, exact fallbacks per step, overhead in % of the
-    standard verify step (column ``verify step (ms)`` holds that step's mean)."""
+    standard verify step (column ``verify step (ms)`` holds that step's mean). The standard step is timed in
+    each of the ``repeats`` passes, by SD generations of ``prompts`` run just before that pass's replays, and
+    each overhead pools the passes: its extra head + rule time over the standard steps of the same stretches
+    (``per pass (%)``: each pass's own; ``verify step before recording (ms)``: one pass timed before any step
+    was recorded, to show the held recording does not slow the steps)."""
     recorder = _Recorder()
     pair.target.prepare()  # the head's weight copies are built before any timed step
 
@@ -104,13 +113,17 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
         return generate(pair.target, ids, drafter=ModelDrafter(pair.draft), rule=rule, draft_len=draft_len,
                         max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids)
 
+    def standard_step_ms() -> float:
+        """The mean verify step (ms) of standard SD over ``prompts``, timed now."""
+        timed = [run(StandardVerification(), ids).stats for ids in prompts]
+        return 1000 * sum(s.verify_s for s in timed) / sum(s.verify_steps for s in timed)
+
     with torch.inference_mode():
         run(StandardVerification(), prompts[0])  # warm-up: first-call reorders of the trunk's GEMMs
-        timed = [run(StandardVerification(), ids).stats for ids in prompts]
+        before_recording_ms = standard_step_ms()
         for ids in prompts:
             result = run(recorder, ids)
             recorder.record_contexts(ids, result.token_ids, result.stats.accepted_per_step)
-    step_ms = 1000 * sum(s.verify_s for s in timed) / sum(s.verify_steps for s in timed)
     # "standard" is the engine's standard step, its draft cut at a certain rejection (engine.cut_draft); the
     # DropMatch rows cannot cut (they may keep what exact matching rejects) and run on whole drafts
     rules = {"standard": build_rule(pair.target, MethodConfig("sd")),
@@ -121,7 +134,9 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
             for dtype in head_dtypes:
                 rules[f"dropmatch {criterion} p={p_drop:g} ({dtype})"] = build_rule(pair.target, MethodConfig(
                     "dropmatch", k=k, p_drop=p_drop, criterion=criterion, head_dtype=dtype))
-    seconds, evaluations = dict.fromkeys(rules, 0.0), dict.fromkeys(rules, 0)
+    seconds = {name: [0.0] * repeats for name in rules}  # per pass
+    evaluations = dict.fromkeys(rules, 0)
+    step_ms = []  # the standard verify step of each pass (ms)
     with torch.inference_mode():
         for rule in rules.values():  # untimed: builds what a rule builds once (transposed weight, reorders)
             for inp in recorder.steps[:4]:
@@ -138,6 +153,10 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
         weight = pair.target.head_weight
         evict = torch.ones(min(weight.numel(), 2**28), device=weight.device)
         for repeat in range(repeats):
+            # the denominator timed in the same stretch as the replays it divides: the machine's speed drifts by
+            # tens of % within minutes, and a step timed minutes apart put the same DropMatch cost (~6 ms) at 4.7
+            # to 6.8 % of steps of 85 to 131 ms in three runs (2026-12-07)
+            step_ms.append(standard_step_ms())
             for i, inp in enumerate(recorder.steps):
                 draft = Draft(inp.draft_tokens, inp.draft_probs, inp.draft_logits)
                 for name, rule in rules.items():
@@ -148,26 +167,34 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                         hidden, step_draft = cut_draft(pair.target, hidden, draft, recorder.seen[i])
                     verdict = verify_step(pair.target, rule, hidden, step_draft, inp.sampling,
                                           torch.Generator().manual_seed(i))
-                    seconds[name] += time.perf_counter() - start
+                    seconds[name][repeat] += time.perf_counter() - start
                     if repeat == 0:
                         evaluations[name] += verdict.criterion_evaluations
-    n = len(recorder.steps) * repeats
-    base, whole = (1000 * seconds[name] / n for name in ("standard", WHOLE_DRAFT))
-    whole_step_ms = step_ms - base + whole  # the standard step had its drafts not been cut
+    n = len(recorder.steps)
+    pass_ms = {name: [1000 * t / n for t in times] for name, times in seconds.items()}  # per step, each pass
+    base, whole = pass_ms["standard"], pass_ms[WHOLE_DRAFT]
+    whole_step_ms = [s - b + w for s, b, w in zip(step_ms, base, whole, strict=True)]  # had drafts not been cut
+
+    def pooled(extra: list[float], steps: list[float]) -> float:
+        return 100 * sum(extra) / sum(steps)
+
     rows = []
     for name in rules:
-        ms = 1000 * seconds[name] / n
+        ms = pass_ms[name]
+        extra = [m - b for m, b in zip(ms, base, strict=True)]
         counters = getattr(getattr(rules[name], "criterion", None), "counters", None)
         criterion = getattr(rules[name], "criterion", None)
         head = getattr(criterion, "head", None)
         path = "" if head is None else f" {head_path(criterion)}"
         rows.append({"rule": name + path,
-                     "head + rule / step (ms)": ms,
-                     "exact fallbacks / step": 0.0 if counters is None else counters.exact_fallbacks / n,
-                     "positions with heads / step": evaluations[name] / len(recorder.steps),
-                     "head overhead (% of verify step)": 100 * (ms - base) / step_ms,
-                     "vs whole-draft step (%)": 100 * (ms - whole) / whole_step_ms,
-                     "verify step (ms)": step_ms, "steps": len(recorder.steps)})
+                     "head + rule / step (ms)": statistics.fmean(ms),
+                     "exact fallbacks / step": 0.0 if counters is None else counters.exact_fallbacks / (n * repeats),
+                     "positions with heads / step": evaluations[name] / n,
+                     "head overhead (% of verify step)": pooled(extra, step_ms),
+                     "per pass (%)": ", ".join(f"{100 * e / s:.1f}" for e, s in zip(extra, step_ms, strict=True)),
+                     "vs whole-draft step (%)": pooled([m - w for m, w in zip(ms, whole, strict=True)], whole_step_ms),
+                     "verify step (ms)": statistics.fmean(step_ms), "steps": n,
+                     "verify step before recording (ms)": before_recording_ms})
     return add_floors(pd.DataFrame(rows), rules)
 
 
@@ -287,9 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# DropMatch overhead: {int(overhead.steps.iloc[0])} recorded verify steps from {len(prompts)} 4-shot "
           f"GSM8K prompts (L={args.draft_len}, K={args.k}, p_drop={args.p_drop}), x{args.repeats}; {machine_line()}")
     print("masks are drawn inside each timed step; end-to-end below at p_drop =", args.p_drop[-1])
-    print(f"mean standard verify step (target trunk + head + rule): {overhead['verify step (ms)'].iloc[0]:.1f} ms")
+    first = overhead.iloc[0]
+    print(f"mean standard verify step (target trunk + head + rule), timed beside each pass of replays: "
+          f"{first['verify step (ms)']:.1f} ms ({first['verify step before recording (ms)']:.1f} ms before recording)")
     columns = ["rule", "head + rule / step (ms)", "positions with heads / step", "exact fallbacks / step",
-               "head overhead (% of verify step)", "vs whole-draft step (%)"]
+               "head overhead (% of verify step)", "per pass (%)", "vs whole-draft step (%)"]
     print(format_table(overhead.to_dict("records"), columns))
     print()
     print("floor per head path: one streaming read of the bytes a position's K heads read")
@@ -302,4 +331,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

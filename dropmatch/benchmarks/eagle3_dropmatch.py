@@ -16,11 +16,12 @@ paired 95 % bootstrap interval over prompts; plus the share of prompts whose out
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, run_command
 from ..intervals import bootstrap_ci, paired_ratio_ci
 from ..methods import Decoder, MethodConfig
 from ..models import load_pair
@@ -116,4 +117,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

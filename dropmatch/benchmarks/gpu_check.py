@@ -26,6 +26,7 @@ On a CPU-only machine it runs the same code at a reduced shape (``--small``), wh
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import run_command
 from ..heads.dropout import DropoutHead
 from ..models import ModelPair
 from ..provenance import machine_line
@@ -295,4 +297,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

@@ -13,9 +13,11 @@ greedy under the target); tokens accepted beyond exact match per verify step.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
+from ..errors import run_command
 from ..fidelity import compare_to_greedy, target_nll
 from ..methods import Decoder, MethodConfig
 from ..models import load_pair
@@ -84,4 +86,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

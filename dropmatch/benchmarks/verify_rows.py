@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -36,7 +37,7 @@ from ..drafters import Draft, LookupFirstDrafter
 from ..drafters.eagle3 import Eagle3Drafter, committed_head, drafting_dtype, load_head
 from ..drafters.lookup_first import check_lookup_guide
 from ..engine import clock, generate
-from ..errors import ConfigError
+from ..errors import ConfigError, run_command
 from ..intervals import paired_ratio_ci
 from ..models import CausalLM, load_pair, rollback
 from ..provenance import machine_line
@@ -236,4 +237,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

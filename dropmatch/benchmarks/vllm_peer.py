@@ -31,7 +31,7 @@ import time
 
 from ..drafters import ModelDrafter, NgramDrafter
 from ..engine import generate
-from ..errors import ConfigError
+from ..errors import ConfigError, run_command
 from ..models import load_pair
 from ..paths import REPO_ROOT
 from ..provenance import machine_line
@@ -162,4 +162,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))
