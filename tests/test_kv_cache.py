@@ -7,7 +7,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from dropmatch.kv_cache import InPlaceLayer, InPlaceSlidingWindowLayer, use_in_place_layers
+from dropmatch.kv_cache import (
+    InPlaceLayer,
+    InPlaceSlidingWindowLayer,
+    fill_from,
+    filled_states,
+    use_in_place_layers,
+)
 from dropmatch.models import CausalLM, load_pair, rollback
 
 
@@ -87,3 +93,24 @@ def test_a_refused_rollback_leaves_a_hybrid_cache_whole(n_tokens):
         cached = target.hidden(torch.tensor([10, 11]), cache)
         fresh = target.trunk(input_ids=torch.tensor([[2, 5, 6, 7, 10, 11]])).last_hidden_state[0, -2:]
     torch.testing.assert_close(cached, fresh, atol=1e-5, rtol=1e-5)
+
+
+def test_filled_states_refill_a_cache_and_refuse_an_empty_layer():
+    """A prefill's states, read and written into a fresh cache up to position n, give the cache a prefill of
+    the first n tokens builds; a layer the prefill left empty is refused, by its type."""
+    target = load_pair("tiny-gemma").target
+    ids = torch.arange(3, 15)  # 12 positions, past the window of 8
+    with torch.inference_mode():
+        full, _ = target.new_cache(rollback=False, prompt_ids=ids)
+        part, _ = target.new_cache(rollback=False, prompt_ids=ids[:10])
+        refilled, _ = target.new_cache(rollback=False)
+        fill_from(refilled, filled_states(full), 10)
+    assert refilled.get_seq_length() == part.get_seq_length() == 10
+    for a, b in zip(filled_states(refilled), filled_states(part), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(refilled.layers, part.layers, strict=True):  # what attention is shown, the window's included
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-5)
+    empty, _ = target.new_cache(rollback=False)
+    with pytest.raises(ValueError, match="InPlace.*did not fill"):
+        filled_states(empty)
+
