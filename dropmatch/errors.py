@@ -39,7 +39,7 @@ class JudgeError(DropMatchError, OSError):
     chat-completions server does."""
 
 
-def run_command(func: Callable[..., int | None], *args) -> int:
+def run_command(func: Callable[..., int | None], *args: object) -> int:
     """Call ``func(*args)`` as a command-line entry point and return its exit status: its own (0 for ``None``),
     or 2 after printing ``error: <message>`` for bad input (any :class:`DropMatchError`, a missing file), so
     that bad input never ends in a traceback."""

@@ -116,20 +116,27 @@ def use_in_place_layers(cache) -> None:
 
 def filled_states(cache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """Views of every layer's filled keys and values (b, kv_heads, positions, head_dim), after a prefill into
-    a cache of in-place layers (:func:`use_in_place_layers`). A layer of another type, or one the prefill
-    never filled (a layer sharing another's states), is a ``ValueError`` naming its type."""
+    a cache of in-place layers (:func:`use_in_place_layers`). A cache without layers, or a layer of another
+    type or one the prefill never filled (a layer sharing another's states), is a ``ValueError``."""
+    if not cache.layers:
+        raise ValueError("the cache has no layers")
     states = []
-    for layer in cache.layers:
+    for i, layer in enumerate(cache.layers):
         buffer = getattr(layer, "buffer", None) if getattr(layer, "is_initialized", False) else None
         if buffer is None:
-            raise ValueError(f"a {type(layer).__name__} that the prefill did not fill with keys and values")
+            raise ValueError(f"cache layer {i} ({type(layer).__name__}) was not filled with keys and values")
         states.append(buffer.view())
     return tuple(states)
 
 
 def fill_from(cache, states: tuple[tuple[torch.Tensor, torch.Tensor], ...], n: int) -> None:
-    """Fill an empty ``cache`` of in-place layers with the first ``n`` positions of ``states`` (as
+    """Fill an empty ``cache`` of in-place layers with the first ``n`` (>= 1) positions of ``states`` (as
     :func:`filled_states` returns them), through ``update``, the call a prefill makes: sliding-window
     layers end in the state a prefill of those positions leaves."""
+    held = min(keys.shape[-2] for keys, _ in states) if states else 0
+    if not 0 < n <= held:
+        raise ValueError(f"cannot fill {n} positions from states of {held}")
+    if cache.get_seq_length() != 0:
+        raise ValueError("fill_from needs an empty cache")
     for i, (keys, values) in enumerate(states):
         cache.update(keys[..., :n, :], values[..., :n, :], i)

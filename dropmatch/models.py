@@ -267,8 +267,8 @@ class CausalLM:
         try:
             states = filled_states(cache)
         except ValueError as error:
-            raise ConfigError(f"prefix caching needs every cache layer filled with keys and values by the prefill; "
-                              f"{type(self.model).__name__} has {error}") from None
+            raise ConfigError(f"prefix caching needs every cache layer filled with keys and values by the prefill "
+                              f"({type(self.model).__name__}): {error}") from None
         return PromptPrefix(self, ids, states, tuple(layers), features)
 
     def screens(self, n_rows: int, exact: bool) -> bool:

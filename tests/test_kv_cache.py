@@ -108,9 +108,14 @@ def test_filled_states_refill_a_cache_and_refuse_an_empty_layer():
     assert refilled.get_seq_length() == part.get_seq_length() == 10
     for a, b in zip(filled_states(refilled), filled_states(part), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    for a, b in zip(refilled.layers, part.layers, strict=True):  # what attention is shown, the window's included
+    with torch.inference_mode():  # one more token: attention sees the last window's positions alike
+        torch.testing.assert_close(target.hidden(torch.tensor([15]), refilled), target.hidden(torch.tensor([15]), part),
+                                   rtol=1e-4, atol=1e-5)
+    for a, b in zip(refilled.layers, part.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-5)
+    assert min(layer.keys.shape[-2] for layer in part.layers) < part.get_seq_length()  # a window was cut
     empty, _ = target.new_cache(rollback=False)
-    with pytest.raises(ValueError, match="InPlace.*did not fill"):
+    with pytest.raises(ValueError, match=r"layer 0 \(InPlace.*\) was not filled"):
         filled_states(empty)
-
+    with pytest.raises(ValueError, match="positions"):
+        fill_from(empty, filled_states(full), 13)

@@ -136,7 +136,7 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                     "dropmatch", k=k, p_drop=p_drop, criterion=criterion, head_dtype=dtype))
     seconds = {name: [0.0] * repeats for name in rules}  # per pass
     evaluations = dict.fromkeys(rules, 0)
-    step_ms = []  # the standard verify step of each pass (ms)
+    step_ms: list[float] = []  # the standard verify step of each pass (ms)
     with torch.inference_mode():
         for rule in rules.values():  # untimed: builds what a rule builds once (transposed weight, reorders)
             for inp in recorder.steps[:4]:
@@ -174,14 +174,10 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
     pass_ms = {name: [1000 * t / n for t in times] for name, times in seconds.items()}  # per step, each pass
     base, whole = pass_ms["standard"], pass_ms[WHOLE_DRAFT]
     whole_step_ms = [s - b + w for s, b, w in zip(step_ms, base, whole, strict=True)]  # had drafts not been cut
-
-    def pooled(extra: list[float], steps: list[float]) -> float:
-        return 100 * sum(extra) / sum(steps)
-
     rows = []
     for name in rules:
         ms = pass_ms[name]
-        extra = [m - b for m, b in zip(ms, base, strict=True)]
+        overhead, per_pass = pooled_overhead(ms, base, step_ms)
         counters = getattr(getattr(rules[name], "criterion", None), "counters", None)
         criterion = getattr(rules[name], "criterion", None)
         head = getattr(criterion, "head", None)
@@ -190,12 +186,21 @@ def measure_overhead(pair: ModelPair, prompts: Sequence[list[int]], *, max_new_t
                      "head + rule / step (ms)": statistics.fmean(ms),
                      "exact fallbacks / step": 0.0 if counters is None else counters.exact_fallbacks / (n * repeats),
                      "positions with heads / step": evaluations[name] / n,
-                     "head overhead (% of verify step)": pooled(extra, step_ms),
-                     "per pass (%)": ", ".join(f"{100 * e / s:.1f}" for e, s in zip(extra, step_ms, strict=True)),
-                     "vs whole-draft step (%)": pooled([m - w for m, w in zip(ms, whole, strict=True)], whole_step_ms),
+                     "head overhead (% of verify step)": overhead, "per pass (%)": per_pass,
+                     "vs whole-draft step (%)": pooled_overhead(ms, whole, whole_step_ms)[0],
                      "verify step (ms)": statistics.fmean(step_ms), "steps": n,
                      "verify step before recording (ms)": before_recording_ms})
     return add_floors(pd.DataFrame(rows), rules)
+
+
+def pooled_overhead(rule_ms: Sequence[float], base_ms: Sequence[float], step_ms: Sequence[float]
+                    ) -> tuple[float, tuple[float, ...]]:
+    """A rule's overhead over ``base_ms`` in % of the verify step, from passes timed side by side: each pass's
+    head + rule time per step (ms) of the rule and of the base, and the verify step (ms) timed beside that pass.
+    Returns (the pooled overhead: the passes' extra time over their steps, each pass's own)."""
+    extra = [r - b for r, b in zip(rule_ms, base_ms, strict=True)]
+    per_pass = tuple(100 * e / s for e, s in zip(extra, step_ms, strict=True))
+    return 100 * sum(extra) / sum(step_ms), per_pass
 
 
 def head_path(criterion) -> str:
@@ -319,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{first['verify step (ms)']:.1f} ms ({first['verify step before recording (ms)']:.1f} ms before recording)")
     columns = ["rule", "head + rule / step (ms)", "positions with heads / step", "exact fallbacks / step",
                "head overhead (% of verify step)", "per pass (%)", "vs whole-draft step (%)"]
-    print(format_table(overhead.to_dict("records"), columns))
+    records = [{**row, "per pass (%)": ", ".join(f"{v:.1f}" for v in row["per pass (%)"])}
+               for row in overhead.to_dict("records")]
+    print(format_table(records, columns))
     print()
     print("floor per head path: one streaming read of the bytes a position's K heads read")
     floors = overhead.dropna(subset=["streaming read (ms)"])

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
+
+from ..errors import run_command
 
 PAPER_TABLE5 = {1: 1.19, 4: 1.18, 16: 1.12, 32: 1.10, 64: 1.15, 128: 1.10}
 
@@ -110,4 +113,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))
