@@ -192,8 +192,9 @@ def generate(
     exact-match verification runs the head only up to the first draft position that a token of the
     context certainly outscores (:func:`cut_draft`; where :attr:`CausalLM.bounds_token_logits`): the
     same tokens, fewer head rows (``stats.head_rows_per_step``). A ``prefix``
-    (:meth:`CausalLM.cache_prefix <dropmatch.models.CausalLM.cache_prefix>`, e.g. a benchmark's shared few-shot exemplars) serves
-    the leading prompt positions it shares, which are then not prefilled (``stats.cached_prompt_tokens``).
+    (:meth:`CausalLM.cache_prefix <dropmatch.models.CausalLM.cache_prefix>`, e.g. a benchmark's shared
+    few-shot exemplars) serves the leading prompt positions it shares, which are then not prefilled
+    (``stats.cached_prompt_tokens``).
     """
     sampling = sampling or SamplingConfig()
     rule = rule or StandardVerification()
