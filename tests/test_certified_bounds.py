@@ -146,9 +146,11 @@ def tail_case(seed: int, vocab: int = 3000, k: int = 5):
 def test_tail_certified_decisions_equal_exact_ones(criterion, q_is_logits, per_head, statistics, monkeypatch):
     """Per-head cuts (taken past SHARED_CUT_MAX_KEPT kept tokens) run on heads whose ln Z lie apart: each head's
     logits scaled by its own factor (as heads spread apart at a large p_drop). The heads' normalizers, centroid
-    and maximum come from the native kernel (which must run wherever it builds) or from torch."""
+    and maximum, and the kept tokens, come from the native kernels (which must run wherever they build) or from
+    torch."""
     if statistics == "torch":
         monkeypatch.setattr(dropmatch_rules, "head_statistics", lambda *args: None)
+        monkeypatch.setattr(dropmatch_rules, "kept_tokens", lambda *args: None)
     elif BUILDS_HERE:
         assert kernels.available()
     if per_head:

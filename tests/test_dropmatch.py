@@ -11,7 +11,7 @@ from torch.special import xlogy
 from dropmatch.drafters import ModelDrafter, NgramDrafter
 from dropmatch.engine import generate
 from dropmatch.errors import ConfigError
-from dropmatch.heads.dropout import DropoutHead
+from dropmatch.heads.dropout import DropoutHead, mask_seed
 from dropmatch.methods import Decoder, MethodConfig
 from dropmatch.rules.divergence import js_divergence
 from dropmatch.rules.dropmatch import (
@@ -115,6 +115,22 @@ def test_masks_are_reproducible_and_seed_dependent():
     a = head.draw_masks(4, torch.Generator().manual_seed(7))
     assert torch.equal(a, head.draw_masks(4, torch.Generator().manual_seed(7)))
     assert not torch.equal(a, head.draw_masks(4, torch.Generator().manual_seed(8)))
+
+
+
+@pytest.mark.parametrize("consume", [True, False])
+def test_step_masks_do_not_depend_on_what_is_asked_first(consume):
+    """A step's masks drawn as asked: any order of positions gives the same masks, which on the CPU are one
+    (L, K, d) draw from the seeded generator (the masks of every run before they were drawn lazily)."""
+    head = DropoutHead(torch.randn(10, 64), k=5, p_drop=0.3)
+    all_at_once = head.draw_masks(6, torch.Generator().manual_seed(11), consume)
+    masks = head.step_masks(6, torch.Generator().manual_seed(11), consume)
+    assert torch.equal(masks[3:5], all_at_once[3:5]) and torch.equal(masks[0:1], all_at_once[:1])
+    assert torch.equal(masks[:], all_at_once) and masks[2:2].shape == (0, 5, 64) and len(masks) == 6
+    seed = mask_seed(torch.Generator().manual_seed(11), consume)
+    assert torch.equal(all_at_once, torch.rand((6, 5, 64), generator=torch.Generator().manual_seed(seed)) >= 0.3)
+    with pytest.raises(ValueError, match="contiguous positions"):
+        masks[::2]
 
 
 # ---------------------------------------------------------------------------------------------

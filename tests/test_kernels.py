@@ -19,6 +19,7 @@ from dropmatch.heads.byte_columns import (
     shared_byte_blocks,
 )
 from dropmatch.heads.dropout import DropoutHead
+from dropmatch.sampling import indices_at_least
 
 BUILDS_HERE = sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("cc") is not None
 
@@ -51,6 +52,77 @@ def test_statistics_equal_torch_s(native, k, vocab, with_draft):
     torch.testing.assert_close(stats.centroid, centroid, rtol=0, atol=1e-6 * float(logits.abs().max()))
     assert stats.sums.dtype == torch.float64 and stats.sums.shape == sums.shape
     assert ((stats.sums - sums).abs() / sums).max() < 1e-6  # the decision allows 1e-5 (NORMALIZER_NOISE)
+
+
+def test_each_exponential_is_within_its_bound(native):
+    """The statistics' exponentials one at a time (a row of one finite logit, the rest -inf), through the vector
+    loop (rows of 8) and the padded end of a block (rows of 1 and 3): within 1.5e-7 of e^x, relative, over the
+    range where e^x is a normal float32; 0 at -inf and far below, inf above the range, NaN kept."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.empty(1 << 18).uniform_(-87.3, 88.7, generator=g)
+    x[:6] = torch.tensor([0.0, -1e-8, 0.34657, -0.34657, 88.72, -87.33])  # the reduction's edges and the range's
+    exact = x.double().exp()
+    for width in (8, 1, 3):
+        rows = torch.full((x.numel(), width), float("-inf"))
+        rows[:, 0] = x
+        sums = kernels.head_statistics(rows).sums[: x.numel()]
+        assert float(((sums - exact).abs() / exact).max()) <= 1.5e-7
+    special = torch.full((5, 8), float("-inf"))
+    special[:, 0] = torch.tensor([float("nan"), float("inf"), 89.0, -104.5, float("-inf")])
+    sums = kernels.head_statistics(special).sums[:5]
+    assert torch.isnan(sums[0]) and sums[1] == sums[2] == float("inf") and sums[3] == sums[4] == 0
+
+
+@pytest.mark.skipif(not byte_bags_supported(), reason="8-bit columns need fbgemm")
+@pytest.mark.parametrize("vocab, block", [(70001, 32768), (3000, 1024), (700, 1024), (5000, 2048)])
+@pytest.mark.parametrize("with_draft", [True, False])
+def test_column_heads_are_the_column_sums_then_their_statistics(native, vocab, block, with_draft):
+    """The heads and statistics taken in the column sums' pass: bit for bit the column sums, then
+    head_statistics on them (the padded end of the last block left as the sums), for one block, several, and a
+    padded last one."""
+    g = torch.Generator().manual_seed(vocab)
+    d, k, keep = 40, 5, 1.0 - 0.1
+    weight = 0.05 * torch.randn(vocab, d, generator=g)
+    blocks = shared_byte_blocks(weight, block)
+    weights, dropped = 20 * torch.randn(d, generator=g) / keep, torch.rand(k, d, generator=g) < 0.1
+    clean, draft = 8 * torch.randn(vocab, generator=g), (4 * torch.randn(vocab, generator=g) if with_draft else None)
+    heads, stats = kernels.byte_column_heads(blocks.packed, blocks.width, weights, dropped, clean, keep, draft)
+    sums = kernels.byte_column_sums(blocks.packed, blocks.width, weights, dropped)
+    expected = kernels.head_statistics(sums[:, :vocab], draft, clean, keep)  # sums become the heads in place
+    assert torch.equal(heads, sums)
+    assert torch.equal(stats.centroid, expected.centroid) and torch.equal(stats.head_max, expected.head_max)
+    assert torch.equal(stats.sums, expected.sums)
+
+
+def test_column_heads_refuse_what_they_do_not_take(native):
+    blocks = shared_byte_blocks(torch.randn(3000, 8), 1000)  # three blocks of 1000: not whole statistics tiles
+    dropped, weights, clean = torch.rand(5, 8) < 0.3, torch.randn(8), torch.randn(3000)
+    assert kernels.byte_column_heads(blocks.packed, blocks.width, weights, dropped, clean, 0.9) is None
+    blocks = shared_byte_blocks(torch.randn(3000, 8), 1024)
+    assert kernels.byte_column_heads(blocks.packed, blocks.width, weights, dropped, clean, 0.9) is not None
+    assert kernels.byte_column_heads(blocks.packed, blocks.width, weights, dropped, clean.double(), 0.9) is None
+    assert kernels.byte_column_heads(blocks.packed, blocks.width, weights, dropped, clean, 0.9, clean[:-1]) is None
+    assert kernels.byte_column_heads(blocks.packed, blocks.width, weights, dropped, torch.randn(4000), 0.9) is None
+
+
+def test_kept_tokens_are_torchs(native):
+    """The tokens where the heads' maximum or the shifted draft reaches a threshold: torch's float32 comparison bit
+    for bit (values on the threshold, a shift and a threshold that round in float32, NaN on either side), without
+    a draft too; past the capacity, its first capacity + 1 tokens."""
+    g = torch.Generator().manual_seed(3)
+    vocab, shift, threshold = 5003, -3.3000000001, -7.1000000001  # 8 tokens a vector, then 3
+    head_max, draft = 4 * torch.randn(vocab, generator=g) - 8, 4 * torch.randn(vocab, generator=g) - 4
+    head_max[:3] = torch.tensor(threshold, dtype=torch.float64).float()  # on the threshold as float32 rounds it
+    draft[3:6] = torch.tensor(threshold - shift).float()
+    for nan, other in ((6, 7), (vocab - 2, vocab - 1)):  # a NaN beside a value far above the threshold, either side
+        head_max[nan], draft[nan], head_max[other], draft[other] = float("nan"), 100.0, 100.0, float("nan")
+    expected = indices_at_least(torch.maximum(head_max, draft + shift), threshold)
+    assert 100 < expected.numel() < vocab and torch.equal(kernels.kept_tokens(head_max, draft, shift, threshold, vocab),
+                                                          expected)
+    assert torch.equal(kernels.kept_tokens(head_max, None, shift, threshold, vocab), indices_at_least(head_max, threshold))
+    assert torch.equal(kernels.kept_tokens(head_max, draft, shift, threshold, 10), expected[:11])
+    assert kernels.kept_tokens(head_max, draft.double(), shift, threshold, vocab) is None
+    assert kernels.kept_tokens(head_max, draft[1:], shift, threshold, vocab) is None
 
 
 def test_corrections_become_the_heads_in_place_as_torch_computes_them(native):

@@ -1,8 +1,9 @@
 """Native CPU kernels: small C sources built on first use with the system C compiler, loaded with ctypes.
 
-They are optional. :func:`head_statistics`, :func:`byte_column_sums` and :func:`few_row_linear` return ``None`` where this is not
-x86-64 Linux with a C compiler and glibc's vector math library, where ``DROPMATCH_NATIVE=0``, or for tensors
-they do not take; callers then keep their torch path, which computes the same quantities.
+They are optional. :func:`head_statistics`, :func:`byte_column_sums`, :func:`byte_column_heads`,
+:func:`kept_tokens` and :func:`few_row_linear` return ``None`` where this is not x86-64 Linux with a C compiler and
+glibc's vector math library, where ``DROPMATCH_NATIVE=0``, or for tensors they do not take; callers then keep their
+torch path, which computes the same quantities.
 
 Build: every ``*.c`` here, into one library, with ``$CC`` (default ``cc``) and ``-march=native``, in
 ``$DROPMATCH_CACHE/kernels/``, named by a hash of the sources, the flags, the compiler and the CPU's feature
@@ -73,8 +74,10 @@ def _library() -> ctypes.CDLL | None:
                                         pointer]
     library.head_statistics.restype = ctypes.c_int
     library.byte_column_sums.argtypes = [pointer, size, size, size, pointer, pointer, pointer, pointer, size, size,
-                                         pointer]
+                                         pointer, pointer, ctypes.c_float, size, pointer, pointer, pointer, pointer]
     library.byte_column_sums.restype = ctypes.c_int
+    library.kept_tokens.argtypes = [pointer, pointer, ctypes.c_float, ctypes.c_float, size, pointer, size]
+    library.kept_tokens.restype = ctypes.c_long
     library.few_row_linear.argtypes = [pointer, size, size, size, pointer, size, size, pointer, pointer, size]
     library.few_row_linear.restype = None
     library.few_row_linear_at.argtypes = [pointer, size, size, size, pointer, size, pointer, size, pointer, pointer,
@@ -138,6 +141,53 @@ def head_statistics(logits: torch.Tensor, draft: torch.Tensor | None = None, cle
     return HeadStatistics(centroid, head_max, sums if draft is not None else sums[:-1]) if status == 0 else None
 
 
+def kept_tokens(head_max: torch.Tensor, draft: torch.Tensor | None, shift: float, threshold: float,
+                capacity: int) -> torch.Tensor | None:
+    """The tokens where ``torch.maximum(head_max, draft + shift) >= threshold`` (``head_max >= threshold`` without a
+    draft), ascending (V,) -> (n,) int64, as torch computes them in float32 (``shift`` and ``threshold`` rounded to
+    float32), in one pass (``head_statistics.c``) where torch takes four.
+
+    Args:
+        head_max, draft: (V,) float32 on the CPU; ``draft`` may be ``None``.
+        capacity: the most tokens wanted: where more reach the threshold, only the first ``capacity + 1`` come back.
+
+    Returns:
+        The tokens; ``None`` where the kernels do not run here or do not take these tensors.
+    """
+    vocab = head_max.shape[0] if head_max.dim() == 1 else 0
+    if not (vocab and capacity >= 0 and _cpu_float32(head_max, (vocab,)) and _cpu_float32(draft, (vocab,))):
+        return None
+    library = _library()
+    if library is None:
+        return None
+    head_max, draft = head_max.contiguous(), None if draft is None else draft.contiguous()
+    kept = torch.empty(capacity + 1, dtype=torch.long)
+    count = library.kept_tokens(head_max.data_ptr(), None if draft is None else draft.data_ptr(), shift, threshold,
+                                vocab, kept.data_ptr(), kept.numel())
+    return kept if count < 0 else kept[:count]
+
+
+def _byte_columns_taken(packed: torch.Tensor, width: int, weights: torch.Tensor, dropped: torch.Tensor) -> bool:
+    """Whether :func:`byte_column_sums` takes these tensors (see there)."""
+    k, d = dropped.shape if dropped.dim() == 2 else (0, 0)
+    return (0 < k <= 62 and d and dropped.dtype == torch.bool and dropped.device.type == "cpu"
+            and packed.dim() == 2 and packed.dtype == torch.uint8 and packed.device.type == "cpu"
+            and packed.shape[0] % d == 0 and packed.shape[1] == width + 8 and _cpu_float32(weights, (d,)))
+
+
+def _column_groups(dropped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The union of the dropped columns of K heads (K, d) grouped by the set of heads that drop them (a bit a head):
+    the columns group after group (ascending within one), each group's start (groups + 1,) and its heads
+    (groups, K) uint8, groups ordered by their bit pattern, so a head's group of its own comes first."""
+    k = dropped.shape[0]
+    code = (dropped.long() << torch.arange(k).unsqueeze(1)).sum(0)  # (d,)
+    union = code.nonzero().squeeze(-1)  # ascending, and kept so within a group by the stable sort
+    columns = union[torch.sort(code[union], stable=True).indices]
+    patterns, counts = torch.unique_consecutive(code[columns], return_counts=True)
+    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return columns, starts, ((patterns.unsqueeze(1) >> torch.arange(k)) & 1).to(torch.uint8)
+
+
 def byte_column_sums(packed: torch.Tensor, width: int, weights: torch.Tensor, dropped: torch.Tensor
                      ) -> torch.Tensor | None:
     """The 8-bit corrections of one position's K heads, sum_{j in D_k} w_j W[:, j] (see ``byte_columns.c``: a
@@ -155,27 +205,60 @@ def byte_column_sums(packed: torch.Tensor, width: int, weights: torch.Tensor, dr
         :func:`~dropmatch.heads.byte_columns.byte_correction_bounds`; ``None`` where the kernels do not run here or
         do not take these tensors.
     """
-    k, d = dropped.shape if dropped.dim() == 2 else (0, 0)
-    if not (0 < k <= 62 and d and dropped.dtype == torch.bool and dropped.device.type == "cpu"
-            and packed.dim() == 2 and packed.dtype == torch.uint8 and packed.device.type == "cpu"
-            and packed.shape[0] % d == 0 and packed.shape[1] == width + 8 and _cpu_float32(weights, (d,))):
+    return _byte_columns(packed, width, weights, dropped)
+
+
+def byte_column_heads(packed: torch.Tensor, width: int, weights: torch.Tensor, dropped: torch.Tensor,
+                      clean: torch.Tensor, keep: float, draft: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, HeadStatistics] | None:
+    """:func:`byte_column_sums` turned into the heads ``clean / keep - sums`` with their :func:`head_statistics`, in
+    the same pass (each tile of the sums while it is in cache; ``byte_columns.c``): bit for bit
+    ``head_statistics(sums[:, :V], draft, clean, keep)`` on the sums, one read of the K heads fewer.
+
+    Args:
+        packed, width, weights, dropped: as :func:`byte_column_sums`.
+        clean: (V,) float32 dropout-free logits, V <= n_blocks * width.
+        keep: 1 - p_drop.
+        draft: (V,) float32 draft logits, or ``None``.
+
+    Returns:
+        The heads (K, n_blocks * width) float32 (past V: the sums, unchanged) and their statistics over the first V
+        tokens; ``None`` where the kernels do not run here or do not take these tensors (also a width that is
+        neither a multiple of the statistics' tile nor the whole vocabulary).
+    """
+    vocab = clean.shape[0] if clean.dim() == 1 else 0
+    if not (vocab and _cpu_float32(clean, (vocab,)) and _cpu_float32(draft, (vocab,))):
+        return None
+    return _byte_columns(packed, width, weights, dropped, clean.contiguous(), keep,
+                         None if draft is None else draft.contiguous())
+
+
+def _byte_columns(packed: torch.Tensor, width: int, weights: torch.Tensor, dropped: torch.Tensor,
+                  clean: torch.Tensor | None = None, keep: float = 1.0, draft: torch.Tensor | None = None
+                  ) -> torch.Tensor | tuple[torch.Tensor, HeadStatistics] | None:
+    """:func:`byte_column_sums` without ``clean``, else :func:`byte_column_heads` (contiguous ``clean`` and ``draft``)."""
+    if not _byte_columns_taken(packed, width, weights, dropped):
         return None
     library = _library()
     if library is None:
         return None
-    # group the dropped columns by the set of heads that drop them (a bit a head), ascending within a group
-    code = (dropped.long() << torch.arange(k).unsqueeze(1)).sum(0)  # (d,)
-    union = code.nonzero().squeeze(-1)  # ascending, and kept so within a group by the stable sort
-    columns = union[torch.sort(code[union], stable=True).indices]
-    patterns, counts = torch.unique_consecutive(code[columns], return_counts=True)
-    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    member = ((patterns.unsqueeze(1) >> torch.arange(k)) & 1).to(torch.uint8)  # (groups, K)
+    k, d = dropped.shape
+    columns, starts, member = _column_groups(dropped)
     packed, weights = packed.contiguous(), weights.contiguous()
     n_blocks = packed.shape[0] // d
     out = torch.empty(k, n_blocks * width)
+    vocab = 0 if clean is None else clean.shape[0]
+    centroid, head_max, sums = torch.empty(vocab), torch.empty(vocab), torch.empty(k + 2, dtype=torch.float64)
     status = library.byte_column_sums(packed.data_ptr(), d, width, n_blocks, weights.data_ptr(), columns.data_ptr(),
-                                      starts.data_ptr(), member.data_ptr(), patterns.numel(), k, out.data_ptr())
-    return out if status == 0 else None
+                                      starts.data_ptr(), member.data_ptr(), member.shape[0], k, out.data_ptr(),
+                                      None if clean is None else clean.data_ptr(), keep, vocab,
+                                      None if draft is None else draft.data_ptr(), centroid.data_ptr(),
+                                      head_max.data_ptr(), sums.data_ptr())
+    if status != 0:
+        return None
+    if clean is None:
+        return out
+    return out, HeadStatistics(centroid, head_max, sums if draft is not None else sums[:-1])
 
 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

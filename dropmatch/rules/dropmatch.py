@@ -49,8 +49,8 @@ import torch
 
 from ..errors import ConfigError
 from ..heads.byte_columns import BYTE_ROWWISE
-from ..heads.dropout import DropoutHead
-from ..kernels import HeadStatistics, head_statistics
+from ..heads.dropout import DropoutHead, StepMasks
+from ..kernels import HeadStatistics, head_statistics, kept_tokens
 from ..kernels import available as native_kernels_available
 from ..sampling import SamplingConfig, argmax, indices_at_least, sample_with_uniform, true_indices
 from .base import PositionTest, Prefetch, VerifyInput
@@ -474,17 +474,26 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     # gives valid bounds, and a larger one tighter bounds at the cost of its gather. One threshold on the heads'
     # largest logit, at the lowest ln Z (which also covers the centroid, the heads' mean); the draft's
     # log-probabilities ride in the same array, shifted by that ln Z, so each cut is one comparison and one pick
-    # (ascending). Where the heads' ln Z lie apart that keeps far more (p_drop 0.3: up to 26k tokens at 1e-3,
-    # against at most 1k a distribution), and past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities are
-    # cut on their own. The tokens of earlier cuts stay.
-    draft_shifted = (q + (lowest - log_zq)) if q_is_logits else q.log().add_(lowest)
-    reach = torch.maximum(head_max, draft_shifted)
+    # (ascending; natively one pass over both arrays, :func:`~dropmatch.kernels.kept_tokens`). Where the heads' ln Z
+    # lie apart that keeps far more (p_drop 0.3: up to 26k tokens at 1e-3, against at most 1k a distribution), and
+    # past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities are cut on their own. The tokens of earlier cuts
+    # stay.
+    shift, limit = lowest - log_zq, min(SHARED_CUT_MAX_KEPT, _gather_limit(approx.shape[-1]))
+    draft_shifted = None if q_is_logits else q.log().add_(lowest)
+    reach = None
     tokens = torch.empty(0, dtype=torch.long, device=approx.device)  # made exact so far, and their exact logits
     exact = torch.empty((approx.shape[0], 0), dtype=torch.float64, device=approx.device)
     for tail in GATHERED_JS_TAILS:
         cut = math.log(tail)
-        kept, head_floors = indices_at_least(reach, lowest + cut), lowest + cut
-        if kept.numel() > min(SHARED_CUT_MAX_KEPT, _gather_limit(approx.shape[-1])):
+        kept = kept_tokens(head_max, q, shift, lowest + cut, limit) if q_is_logits else None
+        if kept is None:
+            if reach is None:
+                draft_shifted = q + shift if draft_shifted is None else draft_shifted
+                reach = torch.maximum(head_max, draft_shifted)
+            kept = indices_at_least(reach, lowest + cut)
+        head_floors = lowest + cut
+        if kept.numel() > limit:
+            draft_shifted = q + shift if draft_shifted is None else draft_shifted
             if top_log_prob is None:
                 top_log_prob = torch.sub(approx, log_z.to(approx.dtype).unsqueeze(-1)).amax(0)
             kept = true_indices((top_log_prob >= cut).logical_or_(centroid >= float(log_zc) + cut)
@@ -557,11 +566,12 @@ class DropMatchCounters:
 class DropMatch:
     """The DropMatch criterion: K dropout heads computed only at the positions it is asked about.
 
-    All randomness of a step (the K x L x d masks) is drawn up front (under sampling, seeded from a
-    hash of the step generator's state so that the standard rule's stream is the one standard
-    speculative sampling sees: same seed, same uniforms), so the decisions do not depend
-    on which positions are evaluated: computing every head at every position gives the same
-    decisions (tested).
+    All randomness of a step (the K x L x d masks) is fixed up front: their generator's seed (under sampling
+    a hash of the step generator's state, so that the standard rule's stream is the one standard
+    speculative sampling sees: same seed, same uniforms), from which position j's masks are the (j + 1)-th draw,
+    made when first asked for (:class:`~dropmatch.heads.dropout.StepMasks`: a step that exact matching decides
+    alone draws none). So the decisions do not depend on which positions are evaluated: computing every head
+    at every position gives the same decisions (tested).
 
     Cost: on the dense path a head GEMM is one pass over the whole LM-head weight (335 MB in bfloat16
     on the embedded pair), and extra rows in a pass cost far less than a second pass; so the dropout
@@ -672,17 +682,17 @@ class DropMatch:
         self._sparse_twin.drop_stale_copies()  # its masks are the rows head's, which checks its own copies
         return self._sparse_twin
 
-    def draw(self, inp: VerifyInput) -> torch.Tensor:
-        """Masks (L, K, d) of the step (prefetched, or drawn now from the step generator)."""
+    def draw(self, inp: VerifyInput) -> StepMasks:
+        """Masks (L, K, d) of the step (from the prefetch, or seeded now from the step generator), drawn as asked."""
         if inp.prefetch is not None:
             return inp.prefetch.state
-        return self.head.draw_masks(inp.n_draft, inp.generator, consume=inp.sampling.greedy)
+        return self.head.step_masks(inp.n_draft, inp.generator, consume=inp.sampling.greedy)
 
     def prefetch(self, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Prefetch:
-        """Draw the step's masks now and, where the heads ride in the verification GEMM (:meth:`fuses`), ask
+        """Seed the step's masks now and, where the heads ride in the verification GEMM (:meth:`fuses`), ask
         for the first ``prefetch`` positions' rows (``hidden``: the L + 1 positions)."""
-        masks = self.head.draw_masks(hidden.shape[0] - 1, generator, consume=sampling.greedy)
-        n = min(self.prefetch_positions, masks.shape[0])
+        masks = self.head.step_masks(hidden.shape[0] - 1, generator, consume=sampling.greedy)
+        n = min(self.prefetch_positions, len(masks))
         if not (n and self.fuses(sampling)):
             rows = None
         elif self.head.exact_rows:  # the heads' own inputs: their products are the heads
@@ -802,7 +812,7 @@ class DropMatch:
         return False
 
     def _tail_certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, inp: VerifyInput,
-                        masks: torch.Tensor, summary: HeadStatistics | None = None) -> bool | None:
+                        masks: StepMasks, summary: HeadStatistics | None = None) -> bool | None:
         """:func:`tail_certified_decide` at position j (greedy decoding), its kept tokens made exact (``summary``:
         the heads' statistics where they came with them)."""
         def exact_on(tokens: torch.Tensor) -> torch.Tensor:
@@ -815,7 +825,7 @@ class DropMatch:
                                      self.majority, summary)
 
     def _escalated(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, inp: VerifyInput,
-                   masks: torch.Tensor, threshold: float | None) -> bool | None:
+                   masks: StepMasks, threshold: float | None) -> bool | None:
         """Under sampling: :meth:`_certified` with the exact set widened in turn by :attr:`escalation`
         (far cheaper than the K-row exact pass that follows when none certifies); ``None`` under top-p,
         whose cut is not continuous in the logits."""
@@ -829,7 +839,7 @@ class DropMatch:
         return None
 
     def _certified(self, j: int, logits: torch.Tensor, eps: torch.Tensor, x: int, q: torch.Tensor,
-                   inp: VerifyInput, masks: torch.Tensor, threshold: float | None,
+                   inp: VerifyInput, masks: StepMasks, threshold: float | None,
                    extra_margin: float = 0.0) -> bool | None:
         """Under sampling (head votes by acceptance probability: every criterion reads masses): make the
         tokens near each head's top and the draft's likely tokens exact (within the refine margin +
