@@ -198,6 +198,17 @@ def test_tail_certified_decisions_equal_exact_ones(criterion, q_is_logits, per_h
         assert apart
 
 
+def test_tail_certified_decisions_on_a_vocabulary_whose_gather_limit_is_fractional():
+    """V / 8 is not a whole number of kept tokens here (40004 / 8 = 5000.5): the kept-token limit is whole."""
+    for seed in range(6):
+        exact_logits, approx, err, token, draft_logits = tail_case(seed, vocab=40004)
+        verdict = tail_certified_decide("js+majority", approx, err, lambda tokens, e=exact_logits: e[:, tokens], token,
+                                        draft_logits, True)
+        if verdict is not None:
+            assert verdict == decide("js+majority", exact_logits, token, torch.softmax(draft_logits, -1), GREEDY,
+                                     draft_logits=draft_logits)
+
+
 def test_tail_certified_understated_error_certifies_a_wrong_vote():
     """Negative control: every head's true argmax computed 6 nats low. With the true bound it is made
     exact and the vote is right; with a bound of 0 the draft token is taken for the heads' token, wrongly."""

@@ -129,6 +129,8 @@ def test_step_masks_do_not_depend_on_what_is_asked_first(consume):
     assert torch.equal(masks[:], all_at_once) and masks[2:2].shape == (0, 5, 64) and len(masks) == 6
     seed = mask_seed(torch.Generator().manual_seed(11), consume)
     assert torch.equal(all_at_once, torch.rand((6, 5, 64), generator=torch.Generator().manual_seed(seed)) >= 0.3)
+    fresh = head.step_masks(6, torch.Generator().manual_seed(11), consume)
+    assert fresh[3:1].shape == (0, 5, 64) and torch.equal(fresh[0:2], all_at_once[:2])  # an empty ask draws nothing
     with pytest.raises(ValueError, match="contiguous positions"):
         masks[::2]
 
@@ -426,7 +428,7 @@ def test_greedy_heads_of_a_rows_head_ride_in_the_screened_gemm(tiny):
         # the bounds the decisions rest on hold for the screened GEMM's products, against float64 heads
         prefetch = rule.prefetch(hidden, greedy, torch.Generator().manual_seed(0))
         _, products = target.head_with_extra(hidden, prefetch.rows, exact=False)
-        masks = prefetch.state
+        masks = prefetch.state[:5]
         heads, bounds = head.row_logits(hidden[:5], masks, torch.bfloat16, products=products)  # (5, K, V), (5, K)
         exact_heads = torch.nn.functional.linear(hidden[:5].double().unsqueeze(1) * masks / 0.7, weight.double())
         errors = (heads.double() - exact_heads).abs().amax(-1)

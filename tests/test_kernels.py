@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dropmatch import kernels
+from dropmatch.cpuinfo import cpu_fields
 from dropmatch.heads.byte_columns import (
     BYTE_ROWWISE,
     byte_bags_supported,
@@ -57,7 +58,9 @@ def test_statistics_equal_torch_s(native, k, vocab, with_draft):
 def test_each_exponential_is_within_its_bound(native):
     """The statistics' exponentials one at a time (a row of one finite logit, the rest -inf), through the vector
     loop (rows of 8) and the padded end of a block (rows of 1 and 3): within 1.5e-7 of e^x, relative, over the
-    range where e^x is a normal float32; 0 at -inf and far below, inf above the range, NaN kept."""
+    range where e^x is a normal float32 (the inline AVX2 + FMA exponential; elsewhere libmvec's expf, <= 4 ulp);
+    0 at -inf and far below, inf above the range, NaN kept."""
+    bound = 1.5e-7 if {"avx2", "fma"} <= set(cpu_fields().get("flags", "").split()) else 4 * 2.0**-23
     g = torch.Generator().manual_seed(0)
     x = torch.empty(1 << 18).uniform_(-87.3, 88.7, generator=g)
     x[:6] = torch.tensor([0.0, -1e-8, 0.34657, -0.34657, 88.72, -87.33])  # the reduction's edges and the range's
@@ -66,7 +69,7 @@ def test_each_exponential_is_within_its_bound(native):
         rows = torch.full((x.numel(), width), float("-inf"))
         rows[:, 0] = x
         sums = kernels.head_statistics(rows).sums[: x.numel()]
-        assert float(((sums - exact).abs() / exact).max()) <= 1.5e-7
+        assert float(((sums - exact).abs() / exact).max()) <= bound
     special = torch.full((5, 8), float("-inf"))
     special[:, 0] = torch.tensor([float("nan"), float("inf"), 89.0, -104.5, float("-inf")])
     sums = kernels.head_statistics(special).sums[:5]
@@ -74,12 +77,12 @@ def test_each_exponential_is_within_its_bound(native):
 
 
 @pytest.mark.skipif(not byte_bags_supported(), reason="8-bit columns need fbgemm")
-@pytest.mark.parametrize("vocab, block", [(70001, 32768), (3000, 1024), (700, 1024), (5000, 2048)])
+@pytest.mark.parametrize("vocab, block", [(70001, 32768), (3000, 1024), (700, 1024), (5000, 2048), (20000, 32768)])
 @pytest.mark.parametrize("with_draft", [True, False])
 def test_column_heads_are_the_column_sums_then_their_statistics(native, vocab, block, with_draft):
     """The heads and statistics taken in the column sums' pass: bit for bit the column sums, then
-    head_statistics on them (the padded end of the last block left as the sums), for one block, several, and a
-    padded last one."""
+    head_statistics on them (the padded end of the last block left as the sums), for one block (of whole
+    statistics tiles or not, narrower or wider than the kernel's tile), several, and a padded last one."""
     g = torch.Generator().manual_seed(vocab)
     d, k, keep = 40, 5, 1.0 - 0.1
     weight = 0.05 * torch.randn(vocab, d, generator=g)

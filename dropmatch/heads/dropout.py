@@ -178,17 +178,13 @@ def mask_seed(generator: torch.Generator, consume: bool = True) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def device_generator(generator: torch.Generator, device: torch.device, consume: bool = True) -> torch.Generator:
-    """A generator on ``device`` seeded by :func:`mask_seed` from the CPU ``generator``."""
-    return torch.Generator(device=device).manual_seed(mask_seed(generator, consume))
-
-
 class StepMasks:
     """A step's keep-masks (L, K, d), bool, drawn as they are asked for (``masks[a:b]`` gives (b - a, K, d)):
     position j's are the (j + 1)-th (K, d) draw of one generator on ``device`` seeded with ``seed``, so they do
     not depend on which positions are asked for, or in what order, and a step that asks for none draws none. On
     CPUs a position's draw continues the same stream, so they equal one (L, K, d) draw, as the masks were drawn
-    before 2026-12-07 (tested)."""
+    before 2026-12-07 (tested); on GPUs (Philox offsets) they differ from that draw, and take one small kernel
+    a position."""
 
     def __init__(self, n_positions: int, k: int, d: int, p_drop: float, seed: int, device: torch.device):
         self.n_positions, self.k, self.d, self.p_drop, self.seed, self.device = n_positions, k, d, p_drop, seed, device
@@ -202,13 +198,13 @@ class StepMasks:
         start, stop, stride = rows.indices(self.n_positions)
         if stride != 1:
             raise ValueError(f"masks are asked for by contiguous positions, got a stride of {stride}")
-        if self._generator is None and stop > start:
+        if stop <= start:
+            return torch.empty((0, self.k, self.d), dtype=torch.bool, device=self.device)
+        if self._generator is None:
             self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
         while len(self._drawn) < stop:
             uniform = torch.rand((self.k, self.d), generator=self._generator, device=self.device)
             self._drawn.append(uniform >= self.p_drop)
-        if stop <= start:
-            return torch.empty((0, self.k, self.d), dtype=torch.bool, device=self.device)
         return torch.stack(self._drawn[start:stop])
 
 
@@ -307,7 +303,7 @@ class DropoutHead:
     def drop_stale_copies(self) -> None:
         """Forget what was derived from the weight (its compute-dtype and transposed copies, their kernels,
         norms) if the weight changed in place since (a checkpoint loaded into the model, a training step:
-        :func:`~dropmatch.onednn_linear.weight_stamp`); it is rebuilt on use. :meth:`draw_masks` calls it,
+        :func:`~dropmatch.onednn_linear.weight_stamp`); it is rebuilt on use. :meth:`step_masks` calls it,
         which every step does before computing heads. The heads hold the weight tensor they were given: a
         model whose head weight is replaced (an assigned ``.data`` or Parameter, ``load_state_dict(...,
         assign=True)``) needs new heads (build the method again)."""
@@ -492,8 +488,7 @@ class DropoutHead:
         path's sums are turned into the heads natively: with 8-bit columns in the same pass as the sums
         (:func:`~dropmatch.kernels.byte_column_heads`; a random 262k x 640 weight, K = 5, p_drop 0.032, caches
         flushed, 2-core AVX2 EPYC, seven runs: 0.02-0.36 ms less than the sums and then the statistics, 4.4-5.9 ms),
-        else by
-        :func:`~dropmatch.kernels.head_statistics` after them (the subtraction and the statistics in one pass,
+        else by :func:`~dropmatch.kernels.head_statistics` after them (the subtraction and the statistics in one pass,
         where torch takes several); a greedy JS decision reads them. Else ``None`` beside the same logits."""
         dtype = sparse_dtype or self.compute_dtype
         dropped = ~masks

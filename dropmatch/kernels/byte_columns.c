@@ -124,7 +124,8 @@ static void group_sum(const uint8_t *restrict packed, long d, long width, long b
  * statistics (head_statistics.c: centroid, head_max (vocab), sums (k + 2), draft (vocab) or NULL) are taken on it
  * while it is in cache, on head_statistics' own tiles, so the heads and statistics are those of head_statistics
  * run on the sums afterwards, bit for bit; width must then be a multiple of HEAD_STATISTICS_TILE, or n_blocks 1.
- * Returns 0, or -1 (no memory for a thread's scratch, or a width the statistics cannot take). */
+ * Returns 0, or -1 (no memory for a thread's scratch or the statistics' sums, a width the statistics cannot take, or
+ * a vocab past the blocks). */
 int byte_column_sums(const uint8_t *restrict packed, long d, long width, long n_blocks, const float *restrict w,
                      const long *restrict columns, const long *restrict starts, const uint8_t *restrict member,
                      long n_groups, long k, float *restrict out, const float *restrict clean, float keep, long vocab,

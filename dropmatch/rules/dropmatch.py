@@ -478,7 +478,7 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     # lie apart that keeps far more (p_drop 0.3: up to 26k tokens at 1e-3, against at most 1k a distribution), and
     # past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities are cut on their own. The tokens of earlier cuts
     # stay.
-    shift, limit = lowest - log_zq, min(SHARED_CUT_MAX_KEPT, _gather_limit(approx.shape[-1]))
+    shift, limit = lowest - log_zq, min(SHARED_CUT_MAX_KEPT, math.floor(_gather_limit(approx.shape[-1])))
     draft_shifted = None if q_is_logits else q.log().add_(lowest)
     reach = None
     tokens = torch.empty(0, dtype=torch.long, device=approx.device)  # made exact so far, and their exact logits
