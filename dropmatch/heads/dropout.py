@@ -189,7 +189,8 @@ class StepMasks:
     def __init__(self, n_positions: int, k: int, d: int, p_drop: float, seed: int, device: torch.device):
         self.n_positions, self.k, self.d, self.p_drop, self.seed, self.device = n_positions, k, d, p_drop, seed, device
         self._generator: torch.Generator | None = None
-        self._drawn: list[torch.Tensor] = []  # (K, d) for positions 0, 1, ...
+        self._masks: torch.Tensor | None = None  # (L, K, d), its first ``_drawn`` positions drawn
+        self._drawn = 0
 
     def __len__(self) -> int:
         return self.n_positions
@@ -200,12 +201,14 @@ class StepMasks:
             raise ValueError(f"masks are asked for by contiguous positions, got a stride of {stride}")
         if stop <= start:
             return torch.empty((0, self.k, self.d), dtype=torch.bool, device=self.device)
-        if self._generator is None:
+        if self._masks is None:
             self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        while len(self._drawn) < stop:
+            self._masks = torch.empty((self.n_positions, self.k, self.d), dtype=torch.bool, device=self.device)
+        for j in range(self._drawn, stop):
             uniform = torch.rand((self.k, self.d), generator=self._generator, device=self.device)
-            self._drawn.append(uniform >= self.p_drop)
-        return torch.stack(self._drawn[start:stop])
+            torch.ge(uniform, self.p_drop, out=self._masks[j])
+        self._drawn = max(self._drawn, stop)
+        return self._masks[start:stop]  # a view: each position is drawn once and never written again
 
 
 class DropoutHead:
@@ -497,17 +500,18 @@ class DropoutHead:
                 or not bool(dropped.any()) or not kernels.available()):
             return self.logits(hidden, clean_logits, masks, sparse_dtype=sparse_dtype), None
         vocab, clean = clean_logits.shape[-1], clean_logits[0].float()
+        fused = None
         if dtype == BYTE_ROWWISE:  # natively, the heads and their statistics in the column sums' own pass
             blocks = self.byte_blocks()
             fused = kernels.byte_column_heads(blocks.packed, blocks.width, hidden[0].float() / (1.0 - self.p_drop),
                                               dropped[0], clean, 1.0 - self.p_drop, draft_logits)
-            if fused is not None:
-                heads, statistics = fused
-                return (heads if heads.shape[-1] == vocab else heads[:, :vocab].contiguous()).unsqueeze(0), statistics
-        sums = self._bag_sums(hidden, dropped, dtype)  # (1, K, padded V) float32
-        statistics = kernels.head_statistics(sums[0, :, :vocab], draft_logits, clean, 1.0 - self.p_drop)
-        if statistics is None:
-            return self._subtracted(clean.unsqueeze(0).unsqueeze(1), sums), None
+        if fused is not None:
+            sums, statistics = fused[0].unsqueeze(0), fused[1]  # (1, K, padded V): the heads already
+        else:  # the sums, then the heads and their statistics in one pass
+            sums = self._bag_sums(hidden, dropped, dtype)  # (1, K, padded V) float32
+            statistics = kernels.head_statistics(sums[0, :, :vocab], draft_logits, clean, 1.0 - self.p_drop)
+            if statistics is None:
+                return self._subtracted(clean.unsqueeze(0).unsqueeze(1), sums), None
         return (sums if sums.shape[-1] == vocab else sums[..., :vocab].contiguous()), statistics
 
     # -- heads -----------------------------------------------------------------------------------

@@ -167,14 +167,6 @@ def kept_tokens(head_max: torch.Tensor, draft: torch.Tensor | None, shift: float
     return kept if count < 0 else kept[:count]
 
 
-def _byte_columns_taken(packed: torch.Tensor, width: int, weights: torch.Tensor, dropped: torch.Tensor) -> bool:
-    """Whether :func:`byte_column_sums` takes these tensors (see there)."""
-    k, d = dropped.shape if dropped.dim() == 2 else (0, 0)
-    return (0 < k <= 62 and d and dropped.dtype == torch.bool and dropped.device.type == "cpu"
-            and packed.dim() == 2 and packed.dtype == torch.uint8 and packed.device.type == "cpu"
-            and packed.shape[0] % d == 0 and packed.shape[1] == width + 8 and _cpu_float32(weights, (d,)))
-
-
 def _column_groups(dropped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The union of the dropped columns of K heads (K, d) grouped by the set of heads that drop them (a bit a head):
     the columns group after group (ascending within one), each group's start (groups + 1,) and its heads
@@ -237,12 +229,14 @@ def _byte_columns(packed: torch.Tensor, width: int, weights: torch.Tensor, dropp
                   clean: torch.Tensor | None = None, keep: float = 1.0, draft: torch.Tensor | None = None
                   ) -> torch.Tensor | tuple[torch.Tensor, HeadStatistics] | None:
     """:func:`byte_column_sums` without ``clean``, else :func:`byte_column_heads` (contiguous ``clean`` and ``draft``)."""
-    if not _byte_columns_taken(packed, width, weights, dropped):
+    k, d = dropped.shape if dropped.dim() == 2 else (0, 0)
+    if not (0 < k <= 62 and d and dropped.dtype == torch.bool and dropped.device.type == "cpu"
+            and packed.dim() == 2 and packed.dtype == torch.uint8 and packed.device.type == "cpu"
+            and packed.shape[0] % d == 0 and packed.shape[1] == width + 8 and _cpu_float32(weights, (d,))):
         return None
     library = _library()
     if library is None:
         return None
-    k, d = dropped.shape
     columns, starts, member = _column_groups(dropped)
     packed, weights = packed.contiguous(), weights.contiguous()
     n_blocks = packed.shape[0] // d

@@ -41,6 +41,7 @@ those computed from exact float32 head logits.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -479,25 +480,21 @@ def tail_certified_decide(criterion: str, approx: torch.Tensor, err: torch.Tenso
     # past SHARED_CUT_MAX_KEPT tokens each head's log-probabilities are cut on their own. The tokens of earlier cuts
     # stay.
     shift, limit = lowest - log_zq, min(SHARED_CUT_MAX_KEPT, math.floor(_gather_limit(approx.shape[-1])))
-    draft_shifted = None if q_is_logits else q.log().add_(lowest)
-    reach = None
+    draft_shifted = functools.cache(lambda: q + shift if q_is_logits else q.log().add_(lowest))  # torch's, as needed
+    reach = functools.cache(lambda: torch.maximum(head_max, draft_shifted()))
     tokens = torch.empty(0, dtype=torch.long, device=approx.device)  # made exact so far, and their exact logits
     exact = torch.empty((approx.shape[0], 0), dtype=torch.float64, device=approx.device)
     for tail in GATHERED_JS_TAILS:
         cut = math.log(tail)
         kept = kept_tokens(head_max, q, shift, lowest + cut, limit) if q_is_logits else None
         if kept is None:
-            if reach is None:
-                draft_shifted = q + shift if draft_shifted is None else draft_shifted
-                reach = torch.maximum(head_max, draft_shifted)
-            kept = indices_at_least(reach, lowest + cut)
+            kept = indices_at_least(reach(), lowest + cut)
         head_floors = lowest + cut
         if kept.numel() > limit:
-            draft_shifted = q + shift if draft_shifted is None else draft_shifted
             if top_log_prob is None:
                 top_log_prob = torch.sub(approx, log_z.to(approx.dtype).unsqueeze(-1)).amax(0)
             kept = true_indices((top_log_prob >= cut).logical_or_(centroid >= float(log_zc) + cut)
-                                .logical_or_(draft_shifted >= lowest + cut))
+                                .logical_or_(draft_shifted() >= lowest + cut))
             head_floors = log_z + cut
         if kept.numel() == 0:  # every distribution flat below this cut
             continue
