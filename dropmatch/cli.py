@@ -215,7 +215,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     decoder = Decoder(pair_from_args(args, config), config, sampling_config(args))
     records = run_task(decoder, args.task, args.out, limit=args.limit, seed=args.seed,
                        max_new_tokens=args.max_new_tokens, fidelity=args.fidelity,
-                       chat_template=args.chat_template, data_dir=args.data_dir, llm_judge=judge)
+                       chat_template=args.chat_template, data_dir=args.data_dir, llm_judge=judge,
+                       prefix_cache=args.prefix_cache)
     log.info("%d results in %s", len(records), args.out)
     return 0
 
@@ -313,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-new-tokens", type=int, help="default: the task's own")
     run.add_argument("--fidelity", action="store_true", help="also record fidelity to the target's greedy output")
     run.add_argument("--chat-template", action="store_true", help="use the tokenizer's chat template (chat tasks)")
+    run.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                     help="prefill every prompt whole (default: the task's shared few-shot beginning is prefilled once)")
     run.add_argument("--data-dir", help="benchmark data directory (default: $DROPMATCH_DATA or ../shared/data)")
     run.add_argument("--judge-url", help="OpenAI-compatible endpoint that grades MT-bench answers "
                      "(default $DROPMATCH_JUDGE_URL; none: no LLM judge)")

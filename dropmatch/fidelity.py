@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .models import CausalLM
+from .prompt_cache import PromptPrefix
 
 
 @dataclass(frozen=True)
@@ -28,22 +29,31 @@ class Fidelity:
         return asdict(self)
 
 
-def token_nlls(target: CausalLM, prompt_ids: Sequence[int], generated_ids: Sequence[int]) -> torch.Tensor:
-    """Negative log-likelihood (nats) of each of ``generated_ids`` after ``prompt_ids`` under the target, (n,)."""
+def token_nlls(target: CausalLM, prompt_ids: Sequence[int], generated_ids: Sequence[int],
+               prefix: PromptPrefix | None = None) -> torch.Tensor:
+    """Negative log-likelihood (nats) of each of ``generated_ids`` after ``prompt_ids`` under the target, (n,).
+    ``prefix``: the target's cached prefix of the prompt (:meth:`~dropmatch.models.CausalLM.cache_prefix`), whose
+    positions are copied rather than run, as when the output was decoded from it (not where it would reach
+    past the prompt's last token, whose row is needed)."""
     ids = torch.tensor([*prompt_ids, *generated_ids], device=target.device)
+    if prefix is not None and prefix.usable_length(ids) > len(prompt_ids) - 1:
+        prefix = None
     with torch.inference_mode():
-        _, hidden = target.new_cache(rollback=False, prompt_ids=ids)
-        logits = target.head(hidden[len(prompt_ids) - 1 : -1])  # row i predicts generated token i
+        _, hidden = target.new_cache(rollback=False, prompt_ids=ids, prefix=prefix)
+        first = len(prompt_ids) - 1 - (ids.numel() - hidden.shape[0])  # hidden starts after the copied positions
+        logits = target.head(hidden[first:-1])  # row i predicts generated token i
         logp = torch.log_softmax(logits, dim=-1)
         picked = logp.gather(-1, torch.tensor(list(generated_ids), device=logp.device).view(-1, 1))
     return -picked.squeeze(-1).cpu()
 
 
-def target_nll(target: CausalLM, prompt_ids: Sequence[int], generated_ids: Sequence[int]) -> float:
-    """Mean negative log-likelihood (nats/token) of ``generated_ids`` after ``prompt_ids`` under the target."""
+def target_nll(target: CausalLM, prompt_ids: Sequence[int], generated_ids: Sequence[int],
+               prefix: PromptPrefix | None = None) -> float:
+    """Mean negative log-likelihood (nats/token) of ``generated_ids`` after ``prompt_ids`` under the target
+    (``prefix``: see :func:`token_nlls`)."""
     if not generated_ids:
         return float("nan")
-    return float(token_nlls(target, prompt_ids, generated_ids).mean())
+    return float(token_nlls(target, prompt_ids, generated_ids, prefix).mean())
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -54,15 +64,17 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def compare_to_greedy(target: CausalLM, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                      greedy_ids: Sequence[int], greedy_nll: float | None = None) -> Fidelity:
-    """Fidelity of ``output_ids`` to ``greedy_ids`` (``greedy_nll``: the latter's NLL, if known)."""
+                      greedy_ids: Sequence[int], greedy_nll: float | None = None,
+                      prefix: PromptPrefix | None = None) -> Fidelity:
+    """Fidelity of ``output_ids`` to ``greedy_ids`` (``greedy_nll``: the latter's NLL, if known; ``prefix``: the
+    target's cached prefix of the prompt, see :func:`token_nlls`)."""
     output_ids, greedy_ids = list(output_ids), list(greedy_ids)
     if greedy_nll is None:
-        greedy_nll = target_nll(target, prompt_ids, greedy_ids)
+        greedy_nll = target_nll(target, prompt_ids, greedy_ids, prefix)
     return Fidelity(
         exact_match=output_ids == greedy_ids,
         first_divergence=first_divergence(output_ids, greedy_ids),
-        nll=greedy_nll if output_ids == greedy_ids else target_nll(target, prompt_ids, output_ids),
+        nll=greedy_nll if output_ids == greedy_ids else target_nll(target, prompt_ids, output_ids, prefix),
         greedy_nll=greedy_nll,
         length=len(output_ids),
         greedy_length=len(greedy_ids),

@@ -10,13 +10,21 @@ from pathlib import Path
 
 import torch
 
-from .drafters import Drafter, LookupFirstDrafter, ModelDrafter, NgramDrafter, check_stop_below
+from .drafters import (
+    Drafter,
+    FeatureDrafter,
+    LookupFirstDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    check_stop_below,
+)
 from .drafters.lookup_first import check_lookup_guide
 from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .heads import DropoutHead, check_dropout_args, default_head_dtype
 from .heads.byte_columns import BYTE_ROWWISE, byte_columns_supported
 from .models import CausalLM, ModelPair, _dtype
+from .prompt_cache import PromptPrefix
 from .rules import (
     AnyOf,
     Criterion,
@@ -318,6 +326,7 @@ class Decoder:
         self.sampling = sampling or SamplingConfig()
         self.rule = build_rule(pair.target, self.config)
         self.drafter = build_drafter(pair, self.config)
+        self._prefixes: tuple[tuple[int, ...], PromptPrefix, PromptPrefix | None] | None = None  # the latest asked
         if self.sampling.greedy:
             pair.target.prepare()  # the screened head, built here rather than in the first timed step
 
@@ -336,10 +345,35 @@ class Decoder:
         return self.pair.encode(prompt) if isinstance(prompt, str) else prompt
 
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 64, seed: int = 0,
-                 stop: Sequence[str] = ()) -> GenerationResult:
+                 stop: Sequence[str] = (), prefix: Sequence[int] | None = None) -> GenerationResult:
         """Decode after ``prompt`` (text or token ids); ``stop`` strings end generation after the step
-        that produced them (the caller cuts the text)."""
+        that produced them (the caller cuts the text). ``prefix``: token ids that this prompt and others
+        start with (a task's few-shot exemplars), prefilled once for the target and for a draft model
+        (:meth:`prompt_prefix`) and copied into each prompt's caches (:mod:`~dropmatch.prompt_cache`); the
+        prompt's positions past them are prefilled as usual."""
+        target_prefix = self.prompt_prefix(prefix) if prefix else None
+        model_drafter = _model_drafter(self.drafter)
+        if model_drafter is not None:
+            model_drafter.prefix = self._prefixes[2] if target_prefix is not None else None
         return generate(self.pair.target, self.token_ids(prompt), drafter=self.drafter, rule=self.rule,
                         draft_len=self.config.draft_len, max_new_tokens=max_new_tokens,
                         sampling=self.sampling, seed=seed, eos_token_ids=self.pair.eos_token_ids,
-                        should_stop=StopOnText(self.pair.decode, stop) if stop else None)
+                        should_stop=StopOnText(self.pair.decode, stop) if stop else None, prefix=target_prefix)
+
+    def prompt_prefix(self, prefix: Sequence[int]) -> PromptPrefix:
+        """The target's :class:`~dropmatch.prompt_cache.PromptPrefix` of ``prefix`` (token ids), with the feature
+        layers an EAGLE-3 drafter reads; computed on the first ask (with the draft model's own, where one
+        drafts) and kept until another prefix is asked for."""
+        ids = tuple(int(i) for i in prefix)
+        if self._prefixes is None or self._prefixes[0] != ids:
+            layers = self.drafter.feature_layers if isinstance(self.drafter, FeatureDrafter) else ()
+            model_drafter = _model_drafter(self.drafter)
+            self._prefixes = (ids, self.pair.target.cache_prefix(ids, layers),
+                              None if model_drafter is None else model_drafter.model.cache_prefix(ids))
+        return self._prefixes[1]
+
+
+def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:
+    """The draft model's drafter in ``drafter`` (itself, or the one lookup first falls back on), if any."""
+    inner = drafter.drafter if isinstance(drafter, LookupFirstDrafter) else drafter
+    return inner if isinstance(inner, ModelDrafter) else None

@@ -87,9 +87,10 @@ PRESETS: dict[str, dict] = {
     #                    notebook 05's other tasks ~ 150 s; notebook 06 on IFEval / KLUE-NLI ~ 80 s;
     #                    80 dropout paths x 32 / 9 ~ 280 s; mining ~ 1600 s (~130 s a problem); probe, head agreement,
     #                    overhead ~ 190 s; 7 kernels + model loads ~ 210 s                       -> ~3400 s
-    #   total ~ 6300 s = 105 min. Not in those speeds: GSM8K's 8-shot prompt (~1350 tokens) costs ~3-4.5 s of
+    #   total ~ 6300 s = 105 min. Not in those speeds: GSM8K's 8-shot prompt (~1350 tokens) cost ~3-4.5 s of
     #   target (+ draft) prefill per generation (smoke-run records), up to ~17 min over the ~250 GSM8K
-    #   generations (warm-ups included), partly offset by stop strings that end answers before the cap.
+    #   generations (warm-ups included), and as much again for the fidelity NLLs; since 2026-12-08 the runner
+    #   prefills the shared exemplars once per method (runner.task_prefix), which removes most of both.
     #   Levers: n_headline (~1.5 min per prompt), the GSM8K cap (~3.5 min per 10 tokens).
     #   Measured on a 2-core AVX2 EPYC (no native bfloat16, float32 heads; cdd5a40): notebooks 00-04 took
     #   7298 s (03: 2771 s, 04: 3671 s), the whole series about three hours.

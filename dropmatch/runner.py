@@ -12,7 +12,15 @@ environment of the first run.
 A results file holds one configuration: a run of another one on the same ``--out`` is refused.
 With ``keyed=True`` (the notebooks' caches) the file is :func:`keyed_path` instead, whose name carries
 a hash of everything that changes a record (method configuration, model, seed, budget, fidelity,
-LLM judge, the trained judge file's bytes), so changing a parameter starts a new file and the same parameters resume the old one.
+LLM judge, the trained judge file's bytes, the prompt prefix), so changing a parameter starts a new file and the
+same parameters resume the old one.
+
+A task whose prompts share a long beginning (GSM8K's and KLUE-NLI's few-shot exemplars) has it prefilled once
+per method (:func:`task_prefix`, ``prefix_cache=True``, the default): each prompt copies those positions' states
+(:mod:`~dropmatch.prompt_cache`) and prefills only its own question, for the target, a draft model and the
+fidelity reference alike, and the NLLs read the same cached states. The states are those of a whole-prompt
+prefill, computed in other GEMM calls, so a near-tie may break the other way than without the cache; records
+name the prefix (``prompt_prefix``: its length and a hash of its ids), and runs with and without it never mix.
 
 One run at a time writes a results file: for the whole run it holds an exclusive ``flock`` on
 ``<out>.lock`` (which names the holder's pid), so a second run started on the same ``--out`` while
@@ -39,6 +47,7 @@ from tqdm.auto import tqdm
 from .errors import ConfigError
 from .fidelity import compare_to_greedy, target_nll
 from .methods import Decoder, MethodConfig
+from .prompt_cache import shared_prefix
 from .provenance import environment_record, note_models
 from .sampling import SamplingConfig
 from .stats import GenerationStats
@@ -155,9 +164,11 @@ class GreedyReference:
 
     METHOD = "ar"
 
-    def __init__(self, pair, stop: Sequence[str], max_new_tokens: int, cache: str | Path | None = None):
+    def __init__(self, pair, stop: Sequence[str], max_new_tokens: int, cache: str | Path | None = None,
+                 prefix: Sequence[int] | None = None):
         self.decoder = Decoder(pair, MethodConfig(self.METHOD), SamplingConfig())
         self.stop, self.max_new_tokens = tuple(stop), max_new_tokens
+        self.prefix = list(prefix) if prefix else None  # decoded from the same cached prefix as the runs it serves
         self.identity = model_identity(pair)
         note_models(pair)
         self.cache = Path(cache) if cache else None
@@ -166,7 +177,14 @@ class GreedyReference:
     def key(self, prompt_ids: Sequence[int]) -> str:
         # the decoding method is in the key: references an older version built with SD are not reused
         text = f"{self.identity}|{self.METHOD}|{self.max_new_tokens}|{self.stop}|{list(prompt_ids)}"
+        if self.prefix:  # a reference decoded from a cached prefix is another record (keys without one unchanged)
+            text += f"|prefix {prefix_name(self.prefix)}"
         return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+    @property
+    def target_prefix(self):
+        """The target's cached prefix the reference decodes from (``None`` without one): the NLLs read it too."""
+        return self.decoder.prompt_prefix(self.prefix) if self.prefix else None
 
     def __call__(self, prompt: str | Sequence[int]) -> list[int]:
         return self.lookup(prompt)["token_ids"]
@@ -176,8 +194,10 @@ class GreedyReference:
         ids_in = self.decoder.pair.encode(prompt) if isinstance(prompt, str) else list(prompt)
         key = self.key(ids_in)
         if key not in self._known:
-            ids = self.decoder.generate(ids_in, max_new_tokens=self.max_new_tokens, stop=self.stop).token_ids
-            record = {"key": key, "token_ids": ids, "nll": target_nll(self.decoder.pair.target, ids_in, ids)}
+            ids = self.decoder.generate(ids_in, max_new_tokens=self.max_new_tokens, stop=self.stop,
+                                        prefix=self.prefix).token_ids
+            record = {"key": key, "token_ids": ids,
+                      "nll": target_nll(self.decoder.pair.target, ids_in, ids, self.target_prefix)}
             self._known[key] = record
             if self.cache:
                 self.cache.parent.mkdir(parents=True, exist_ok=True)
@@ -189,12 +209,13 @@ class TaskRunner:
     """Decodes the examples of a task with one method; with ``fidelity``, compares every turn with
     the target's greedy output on the same prompt (``reference_cache``: share those across runs);
     ``llm_judge`` grades with the judge prompts and GPT-4 reference answers of ``data_dir`` (default:
-    :func:`~dropmatch.paths.data_dir`)."""
+    :func:`~dropmatch.paths.data_dir`); with ``prefix_cache``, the task's shared prompt beginning
+    (:func:`task_prefix`) is prefilled once (``prefix``: its ids, ``None`` where the task has none)."""
 
     def __init__(self, decoder: Decoder, task: str, *, max_new_tokens: int | None = None, seed: int = 0,
                  fidelity: bool = False, chat_template: bool = False, reference_cache: str | Path | None = None,
                  llm_judge: JudgeEndpoint | None = None, example_seed: Callable[[int, str], int] | None = None,
-                 data_dir: str | Path | None = None):
+                 data_dir: str | Path | None = None, prefix_cache: bool = True):
         self.decoder, self.task, self.seed = decoder, task, seed
         self.example_seed = example_seed
         self.llm_judge = llm_judge
@@ -204,7 +225,9 @@ class TaskRunner:
         self.stop = defaults.stop
         self.max_new_tokens = new_token_budget(task, max_new_tokens)
         self.chat_template = chat_template
-        self.reference = (GreedyReference(decoder.pair, self.stop, self.max_new_tokens, reference_cache)
+        self.prefix = task_prefix(task, lambda example: self.encode(decoder.pair, example), data_dir) \
+            if prefix_cache else None
+        self.reference = (GreedyReference(decoder.pair, self.stop, self.max_new_tokens, reference_cache, self.prefix)
                           if fidelity else None)
 
     def encode(self, pair, example: Example, turns_so_far: Sequence[str] = ()) -> list[int]:
@@ -226,7 +249,8 @@ class TaskRunner:
         seed = self.seed_of(example)
         for turn in range(n_turns):
             ids = self.encode(decoder.pair, example, texts)
-            result = decoder.generate(ids, max_new_tokens=self.max_new_tokens, seed=seed + turn, stop=self.stop)
+            result = decoder.generate(ids, max_new_tokens=self.max_new_tokens, seed=seed + turn, stop=self.stop,
+                                      prefix=self.prefix)
             prompts.append(ids)
             outputs.append(result.token_ids)
             stats.append(result.stats)
@@ -254,6 +278,7 @@ class TaskRunner:
             "config": self.decoder.config.to_dict(), "sampling": asdict(self.decoder.sampling),
             "max_new_tokens": self.max_new_tokens, "chat_template": self.chat_template,
             "llm_judge": self.llm_judge.model if self.llm_judge is not None else None,
+            "prompt_prefix": prefix_name(self.prefix),
         }
         if self.llm_judge is not None and example.turns:
             record["score"].update(judge_example(self.llm_judge, self.judge_prompts, example, texts,
@@ -261,7 +286,8 @@ class TaskRunner:
         if self.reference is not None:
             greedy = [self.reference.lookup(p) for p in prompts]
             pair = self.decoder.pair
-            per_turn = [compare_to_greedy(pair.target, p, out, ref["token_ids"], ref["nll"]).to_dict()
+            per_turn = [compare_to_greedy(pair.target, p, out, ref["token_ids"], ref["nll"],
+                                          self.reference.target_prefix).to_dict()
                         for p, out, ref in zip(prompts, outputs, greedy, strict=True)]
             diverged = [(t, f["first_divergence"]) for t, f in enumerate(per_turn) if f["first_divergence"] is not None]
             record["fidelity"] = {
@@ -280,27 +306,32 @@ def run_task(decoder: Decoder, task: str, out: str | Path, *, limit: int | None 
              data_dir: str | Path | None = None, progress: bool = True,
              reference_cache: str | Path | None = None, llm_judge: JudgeEndpoint | None = None,
              warmup: bool = True, keyed: bool = False,
-             example_seed: Callable[[int, str], int] | None = None) -> list[dict]:
+             example_seed: Callable[[int, str], int] | None = None, prefix_cache: bool = True) -> list[dict]:
     """Decode ``task`` into ``out`` (JSON lines), resuming what is already there. Returns all records.
     With ``warmup``, one short untimed generation on the first example to do comes first. With
     ``keyed``, the file is ``keyed_path(out, ...)``: one per configuration, none refused. With
-    ``example_seed(seed, example id)``, each example decodes (and samples) from a seed of its own.
+    ``example_seed(seed, example id)``, each example decodes (and samples) from a seed of its own. With
+    ``prefix_cache``, the prompts' shared beginning is prefilled once (:func:`task_prefix`; see the module).
     Holds ``results_lock(out)`` for the whole run: a second writer of ``out`` gets a ``ConfigError``."""
     wanted = {"task": task, "method": decoder.config.label, "model": model_identity(decoder.pair), "seed": seed,
               "config": decoder.config.to_dict(), "sampling": asdict(decoder.sampling),
               "max_new_tokens": new_token_budget(task, max_new_tokens),
               "seeding": "per-example" if example_seed else "run", "chat_template": chat_template,
               "llm_judge": llm_judge.model if llm_judge is not None else None}
+    runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
+                        chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge,
+                        example_seed=example_seed, data_dir=data_dir, prefix_cache=prefix_cache)
+    wanted["prompt_prefix"] = prefix_name(runner.prefix)
     judge_path = getattr(decoder.config, "judge_path", None)
-    out = keyed_path(out, {**wanted, "fidelity": fidelity, "judge_file": file_digest(judge_path)}) if keyed else Path(out)
+    settings = {**wanted, "fidelity": fidelity, "judge_file": file_digest(judge_path)}
+    if settings["prompt_prefix"] is None:  # the keys of runs without a prefix as they were before prefixes
+        del settings["prompt_prefix"]
+    out = keyed_path(out, settings) if keyed else Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     note_models(decoder.pair)
     with results_lock(out):
         examples = load_task(task, data_dir=data_dir, limit=limit)
         label = decoder.config.label
-        runner = TaskRunner(decoder, task, max_new_tokens=max_new_tokens, seed=seed, fidelity=fidelity,
-                            chat_template=chat_template, reference_cache=reference_cache, llm_judge=llm_judge,
-                            example_seed=example_seed, data_dir=data_dir)
         done_by_id = _records_to_resume(out, wanted, fidelity)
         env_path = out.with_suffix(out.suffix + ".env.json")
         if not env_path.exists():
@@ -341,7 +372,31 @@ def keyed_path(out: str | Path, settings: dict) -> Path:
 
 
 # fields records written before they existed hold implicitly
-OLD_RECORD_DEFAULTS = {"seeding": "run", "chat_template": False, "llm_judge": None}
+OLD_RECORD_DEFAULTS = {"seeding": "run", "chat_template": False, "llm_judge": None, "prompt_prefix": None}
+
+MIN_PREFIX_TOKENS = 64  # a shared prompt beginning shorter than this is prefilled with each prompt
+PREFIX_SAMPLE = 16  # examples, spread over the whole task, whose shared beginning is the task's prefix
+
+
+def task_prefix(task: str, encode: Callable[[Example], list[int]], data_dir: str | Path | None = None
+                ) -> list[int] | None:
+    """The token ids every prompt of ``task`` starts with (its few-shot exemplars): the beginning that
+    :data:`PREFIX_SAMPLE` examples spread evenly over the whole task share (``encode``: an example's first
+    prompt as token ids; two examples alone may share more, e.g. KLUE-NLI's first and last the start of their
+    premise); ``None`` below :data:`MIN_PREFIX_TOKENS`. Read from the whole task, so a run's prefix does not
+    depend on its ``limit``; a prompt that shares less of it has only that much copied
+    (:meth:`~dropmatch.prompt_cache.PromptPrefix.usable_length`)."""
+    examples = load_task(task, data_dir=data_dir)
+    picks = sorted({round(i * (len(examples) - 1) / (PREFIX_SAMPLE - 1)) for i in range(PREFIX_SAMPLE)})
+    prefix = shared_prefix([encode(examples[i]) for i in picks])
+    return prefix if len(prefix) >= MIN_PREFIX_TOKENS else None
+
+
+def prefix_name(prefix: Sequence[int] | None) -> str | None:
+    """What records say of a prompt prefix: its length and a hash of its ids (``None`` without one)."""
+    if not prefix:
+        return None
+    return f"{len(prefix)} tokens {hashlib.sha1(json.dumps(list(prefix)).encode()).hexdigest()[:10]}"
 
 
 def new_token_budget(task: str, max_new_tokens: int | None) -> int:
