@@ -27,7 +27,7 @@ from .fidelity import target_nll
 from .intervals import UNIT, bootstrap_ci, pooled_ratio_ci
 from .methods import Decoder, MethodConfig
 from .models import ModelPair, load_pair
-from .runner import GreedyReference, append_result, read_results, run_task
+from .runner import GreedyReference, append_result, prefix_digest, read_results, run_task, task_prefix
 from .stopping import StopOnText
 from .summarize import agreement, compare_runs, pooled_ratio, summarize_run, with_ci
 from .tasks import Example, cut_output, generation_defaults, score
@@ -76,11 +76,12 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
                 n_prompts: int | None, max_new_tokens: int | None = None,
                 task_budgets: Mapping[str, int] | None = None, seed: int = 0, fidelity: bool = True,
                 baseline: str | None = None, lossless: str | None = None, progress: bool = True,
-                llm_judge: JudgeEndpoint | None = None) -> pd.DataFrame:
+                llm_judge: JudgeEndpoint | None = None, prefix_cache: bool = True) -> pd.DataFrame:
     """Decode the first ``n_prompts`` examples of ``task`` (``None``: all) with every method (resumable;
     each example with its own :func:`example_seed`, at :func:`token_budget` new tokens) and return one
     row per method. MT-bench and KoMT-bench are graded by ``llm_judge``, else by the endpoint
-    :func:`judge_from_env` names (none: no LLM grading).
+    :func:`judge_from_env` names (none: no LLM grading). With ``prefix_cache`` the task's shared prompt
+    beginning is prefilled once per method (:func:`~dropmatch.runner.task_prefix`), in files of their own.
 
     Columns; ``<c>_lo`` / ``<c>_hi`` hold the bootstrap 95 % interval over the prompts of column ``c``:
 
@@ -110,13 +111,18 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
     judge = llm_judge or (judge_from_env() if task in PROMPT_FILES else None)
     records: dict[str, list[dict]] = {}
     files: dict[str, Path] = {}
+    prefix = task_prefix(pair, task) if prefix_cache else None
     for name, config in configs.items():
-        # seed and budget in the name: a run with other settings gets its own file instead of a refusal
-        files[name] = results_dir / f"{task}__{slug(pair.name)}__{slug(config.label)}__seed{seed}-new{budget}.jsonl"
+        # seed, budget and a cached prompt prefix in the name: a run with other settings gets its own file, not a
+        # refusal (a task without a shared prompt beginning keeps the name it had before prefixes)
+        cached = f"-prefix{prefix_digest(prefix)}" if prefix else ""
+        files[name] = (results_dir / f"{task}__{slug(pair.name)}__{slug(config.label)}__seed{seed}-new{budget}"
+                       f"{cached}.jsonl")
         records[name] = run_task(Decoder(pair, config), task, files[name], limit=n_prompts, seed=seed,
                                  max_new_tokens=budget, fidelity=fidelity, progress=progress,
                                  reference_cache=reference_path(pair, task, results_dir),
-                                 llm_judge=judge if task in PROMPT_FILES else None, example_seed=example_seed)
+                                 llm_judge=judge if task in PROMPT_FILES else None, example_seed=example_seed,
+                                 prefix_cache=prefix_cache)
     reference = lossless or next((n for n in ([baseline] if baseline else []) + list(configs)
                                   if configs[n].method in LOSSLESS_METHODS), None)
     rows = []

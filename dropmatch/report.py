@@ -186,8 +186,8 @@ def label_value(label: str, key: str) -> float:
 def records_path(results_dir: str | Path, row: pd.Series) -> Path:
     """The JSON-lines file :func:`~dropmatch.experiments.run_methods` wrote for a summary row: its
     ``records`` column, else the one file named from ``task``, ``model`` and ``method`` with the run's
-    ``__seed<seed>-new<budget>`` (``ConfigError`` if several are, e.g. two seeds), else the name older
-    runs wrote, without them."""
+    ``__seed<seed>-new<budget>`` (and ``-prefix`` where its prompts' shared beginning was cached; ``ConfigError``
+    if several are, e.g. two seeds), else the name older runs wrote, without them."""
     from .experiments import slug
 
     results_dir = Path(results_dir)
@@ -195,7 +195,7 @@ def records_path(results_dir: str | Path, row: pd.Series) -> Path:
         return results_dir / Path(row["records"]).name
     stem = f"{row['task']}__{slug(str(row['model']))}__{slug(str(row['method']))}"
     found = sorted(p for p in results_dir.glob(f"{stem}__seed*-new*.jsonl")
-                   if re.fullmatch(rf"{re.escape(stem)}__seed\d+-new\d+\.jsonl", p.name))
+                   if re.fullmatch(rf"{re.escape(stem)}__seed\d+-new\d+(?:-prefix[0-9a-f]{{10}})?\.jsonl", p.name))
     if len(found) > 1:
         raise ConfigError(f"several record files match {row['method']} on {row['task']} in {results_dir}: "
                           f"{', '.join(p.name for p in found)}; give the table a records column naming one")

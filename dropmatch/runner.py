@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import numbers
@@ -47,7 +48,8 @@ from tqdm.auto import tqdm
 from .errors import ConfigError
 from .fidelity import compare_to_greedy, target_nll
 from .methods import Decoder, MethodConfig
-from .prompt_cache import shared_prefix
+from .paths import data_dir as default_data_dir
+from .prompt_cache import PromptPrefix, shared_prefix
 from .provenance import environment_record, note_models
 from .sampling import SamplingConfig
 from .stats import GenerationStats
@@ -182,7 +184,7 @@ class GreedyReference:
         return hashlib.sha1(text.encode()).hexdigest()[:20]
 
     @property
-    def target_prefix(self):
+    def target_prefix(self) -> PromptPrefix | None:
         """The target's cached prefix the reference decodes from (``None`` without one): the NLLs read it too."""
         return self.decoder.prompt_prefix(self.prefix) if self.prefix else None
 
@@ -225,22 +227,13 @@ class TaskRunner:
         self.stop = defaults.stop
         self.max_new_tokens = new_token_budget(task, max_new_tokens)
         self.chat_template = chat_template
-        self.prefix = task_prefix(task, lambda example: self.encode(decoder.pair, example), data_dir) \
-            if prefix_cache else None
+        self.prefix = task_prefix(decoder.pair, task, chat_template, data_dir) if prefix_cache else None
         self.reference = (GreedyReference(decoder.pair, self.stop, self.max_new_tokens, reference_cache, self.prefix)
                           if fidelity else None)
 
     def encode(self, pair, example: Example, turns_so_far: Sequence[str] = ()) -> list[int]:
-        """Prompt ids of ``example``'s next turn (single-prompt tasks: its prompt). A chat template (chat
-        tasks with ``chat_template``) already holds the BOS token, so none is added to it; every other
-        prompt gets the tokenizer's special tokens."""
-        if not example.turns:
-            return pair.encode(example.prompt)
-        prompt = chat_prompt(example.turns, list(turns_so_far), tokenizer=pair.tokenizer,
-                             use_chat_template=self.chat_template)
-        if self.chat_template:
-            return list(pair.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return pair.encode(prompt)
+        """Prompt ids of ``example``'s next turn (:func:`prompt_ids` with this runner's chat template setting)."""
+        return prompt_ids(pair, example, self.chat_template, turns_so_far)
 
     def _turns(self, decoder: Decoder, example: Example) -> tuple[list[list[int]], list[list[int]], list, list[str]]:
         """Prompt ids, output ids, stats and cut texts of each turn (one turn for single-prompt tasks)."""
@@ -378,25 +371,46 @@ MIN_PREFIX_TOKENS = 64  # a shared prompt beginning shorter than this is prefill
 PREFIX_SAMPLE = 16  # examples, spread over the whole task, whose shared beginning is the task's prefix
 
 
-def task_prefix(task: str, encode: Callable[[Example], list[int]], data_dir: str | Path | None = None
-                ) -> list[int] | None:
-    """The token ids every prompt of ``task`` starts with (its few-shot exemplars): the beginning that
-    :data:`PREFIX_SAMPLE` examples spread evenly over the whole task share (``encode``: an example's first
-    prompt as token ids; two examples alone may share more, e.g. KLUE-NLI's first and last the start of their
-    premise); ``None`` below :data:`MIN_PREFIX_TOKENS`. Read from the whole task, so a run's prefix does not
-    depend on its ``limit``; a prompt that shares less of it has only that much copied
-    (:meth:`~dropmatch.prompt_cache.PromptPrefix.usable_length`)."""
-    examples = load_task(task, data_dir=data_dir)
-    picks = sorted({round(i * (len(examples) - 1) / (PREFIX_SAMPLE - 1)) for i in range(PREFIX_SAMPLE)})
-    prefix = shared_prefix([encode(examples[i]) for i in picks])
+def prompt_ids(pair, example: Example, chat_template: bool = False, turns_so_far: Sequence[str] = ()) -> list[int]:
+    """Prompt ids of ``example``'s next turn (single-prompt tasks: its prompt). A chat template (chat tasks with
+    ``chat_template``) already holds the BOS token, so none is added to it; every other prompt gets the
+    tokenizer's special tokens."""
+    if not example.turns:
+        return pair.encode(example.prompt)
+    prompt = chat_prompt(example.turns, list(turns_so_far), tokenizer=pair.tokenizer, use_chat_template=chat_template)
+    if chat_template:
+        return list(pair.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return pair.encode(prompt)
+
+
+def task_prefix(pair, task: str, chat_template: bool = False, data_dir: str | Path | None = None) -> list[int] | None:
+    """The token ids every prompt of ``task`` starts with (its few-shot exemplars), for ``pair``'s tokenizer: the
+    beginning that :data:`PREFIX_SAMPLE` examples spread evenly over the whole task share (two alone may share
+    more, e.g. KLUE-NLI's first and last the start of their premise); ``None`` below :data:`MIN_PREFIX_TOKENS`.
+    Read from the whole task, so a run's prefix does not depend on its ``limit``; a prompt that shares less of
+    it has only that much copied (:meth:`~dropmatch.prompt_cache.PromptPrefix.usable_length`)."""
+    where = str(data_dir) if data_dir is not None else str(default_data_dir())  # the cache's key: a resolved path
+    prefix = shared_prefix([prompt_ids(pair, e, chat_template) for e in _spread_examples(task, where)])
     return prefix if len(prefix) >= MIN_PREFIX_TOKENS else None
 
 
+@functools.lru_cache(maxsize=32)
+def _spread_examples(task: str, data_dir: str) -> tuple[Example, ...]:
+    """:data:`PREFIX_SAMPLE` examples of ``task`` spread evenly over all of it (loaded once a process: MMLU's
+    14k rows take seconds, and every method's run asks)."""
+    examples = load_task(task, data_dir=data_dir)
+    return tuple(examples[i] for i in sorted({round(k * (len(examples) - 1) / (PREFIX_SAMPLE - 1))
+                                               for k in range(PREFIX_SAMPLE)}))
+
+
+def prefix_digest(prefix: Sequence[int]) -> str:
+    """A short hash of a prompt prefix's token ids."""
+    return hashlib.sha1(json.dumps([int(i) for i in prefix]).encode()).hexdigest()[:10]
+
+
 def prefix_name(prefix: Sequence[int] | None) -> str | None:
-    """What records say of a prompt prefix: its length and a hash of its ids (``None`` without one)."""
-    if not prefix:
-        return None
-    return f"{len(prefix)} tokens {hashlib.sha1(json.dumps(list(prefix)).encode()).hexdigest()[:10]}"
+    """What records say of a prompt prefix: its length and :func:`prefix_digest` (``None`` without one)."""
+    return f"{len(prefix)} tokens {prefix_digest(prefix)}" if prefix else None
 
 
 def new_token_budget(task: str, max_new_tokens: int | None) -> int:
@@ -419,7 +433,9 @@ def _records_to_resume(out: Path, wanted: dict, fidelity: bool) -> dict[str, dic
             raise ConfigError(
                 f"{out} already holds results of another run (different {', '.join(differs)}: "
                 f"{', '.join(f'{k}={record.get(k)!r}' for k in differs[:3])}); this run is {wanted['task']}, "
-                f"{wanted['method']}, {wanted['model']}. Use another --out."
+                f"{wanted['method']}, {wanted['model']}. Use another --out"
+                + (" (or --no-prefix-cache / prefix_cache=False for results decoded without a cached prompt prefix)."
+                   if differs == ["prompt_prefix"] else ".")
             )
         if fidelity and "fidelity" not in record:
             raise ConfigError(f"{out} holds results without fidelity; use another --out for a run with --fidelity")

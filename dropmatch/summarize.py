@@ -60,10 +60,11 @@ def with_ci(row: dict, column: str, value: float, interval: tuple[float, float])
 
 
 # What besides task and method sets a run apart: records that differ in any of these are never pooled.
-# A baseline run must share the first five with the run it is compared with (not the seed: a greedy
-# baseline does not depend on it); among several such, the one with the same seed is taken.
-RUN_SETTINGS = ("model", "sampling", "max_new_tokens", "chat_template", "llm_judge", "seed", "seeding")
-PAIRED_SETTINGS = RUN_SETTINGS[:5]
+# A baseline run must share the first six with the run it is compared with (not the seed: a greedy
+# baseline does not depend on it); among several such, the one with the same seed is taken. A cached prompt
+# prefix (runner.task_prefix) leaves the shared prefill out of a run's times, so it pairs only with its like.
+RUN_SETTINGS = ("model", "sampling", "max_new_tokens", "chat_template", "llm_judge", "prompt_prefix", "seed", "seeding")
+PAIRED_SETTINGS = RUN_SETTINGS[:6]
 
 RunKey = tuple[str, str, tuple[str, ...]]  # task, method label, RUN_SETTINGS values (JSON)
 

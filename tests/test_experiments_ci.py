@@ -261,7 +261,8 @@ def test_draft_acceptance_pools_the_drafted_tokens(monkeypatch, tmp_path):
     monkeypatch.setattr(experiments, "Decoder", lambda pair, config: SimpleNamespace(config=config))
     table = experiments.run_methods(SimpleNamespace(name="fake"), "gsm8k",
                                     {"AR": MethodConfig("ar"), "SD": MethodConfig("sd", draft_len=5)}, tmp_path,
-                                    n_prompts=4, fidelity=False, baseline="AR", progress=False).set_index("name")
+                                    n_prompts=4, fidelity=False, baseline="AR", progress=False,
+                                    prefix_cache=False).set_index("name")  # a fake pair has no tokenizer
     assert table.loc["SD", "draft_acceptance"] == pytest.approx(24 / 30)  # not (0 + 3 * 0.8) / 4
     assert table.loc["SD", "verify_ms_per_step"] == pytest.approx(10.0)
     ar = table.loc["AR", ["draft_acceptance", "draft_acceptance_lo", "draft_acceptance_hi", "verify_ms_per_step",

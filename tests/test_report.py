@@ -122,11 +122,11 @@ def test_records_path_finds_the_file_the_runner_names(tmp_path):
     from dropmatch.errors import ConfigError
 
     row = pd.Series({"task": "gsm8k", "model": "gemma-3-270m", "method": "sd@L5"})  # no records column
-    written = tmp_path / "gsm8k__gemma-3-270m__sd_L5__seed0-new128.jsonl"  # run_methods' name
+    written = tmp_path / "gsm8k__gemma-3-270m__sd_L5__seed0-new128-prefix0123abcdef.jsonl"  # run_methods' name (prefix cached)
     written.write_text('{"id": "a", "stats": {}}\n')
     (tmp_path / "gsm8k__gemma-3-270m__sd_L5__seed0-new128-0123456789.jsonl").write_text("")  # another naming
     assert report.records_path(tmp_path, row) == written
     assert report.records_for(tmp_path, row) == [{"id": "a", "stats": {}}]
-    (tmp_path / "gsm8k__gemma-3-270m__sd_L5__seed1-new128.jsonl").write_text("")
-    with pytest.raises(ConfigError, match="several record files match sd@L5 on gsm8k.*seed0-new128.*seed1-new128"):
+    (tmp_path / "gsm8k__gemma-3-270m__sd_L5__seed1-new128.jsonl").write_text("")  # without a cached prefix
+    with pytest.raises(ConfigError, match="several record files match sd@L5 on gsm8k.*seed0-new128-prefix.*seed1-new128"):
         report.records_path(tmp_path, row)

@@ -250,6 +250,18 @@ def test_summary_never_pools_runs_of_other_settings_and_pairs_each_with_its_own_
     assert all('"temperature": 1.0' in m or '"temperature": 0.0' in m for m in by_label)
 
 
+def test_summary_pairs_a_run_from_a_cached_prompt_prefix_with_a_baseline_from_the_same():
+    cold, cached = {"prompt_prefix": None}, {"prompt_prefix": "1291 tokens c799db427d"}
+    records = [_timed(m, i, speed, **prefix) for i in range(3)
+               for m, speed, prefix in (("sd@L5", 10.0, cold), ("sd@L5", 20.0, cached), ("dropmatch(x)@L5", 20.0, cached))]
+    rows = summarize_records(records)
+    assert len(rows) == 3 and all(r["n"] == 3 for r in rows)
+    (dropmatch,) = [r for r in rows if r["method"].startswith("dropmatch")]
+    assert dropmatch["speedup"] == pytest.approx(1.0)  # against the cached sd run, not the cold one (2.0)
+    old = dict(_timed("sd@L5", 0, 10.0))  # records written before prefixes: none
+    assert summarize_records([old, _timed("sd@L5", 1, 10.0, **cold)])[0]["n"] == 2
+
+
 def test_summary_compares_with_the_baseline_of_the_same_seed_and_refuses_a_prompt_twice():
     records = [_timed(m, i, speed, seed=seed) for i in range(3)
                for m, speed, seed in (("sd@L5", 10.0, 0), ("sd@L5", 20.0, 1), ("dropmatch(x)@L5", 20.0, 1))]
