@@ -10,7 +10,7 @@ kill -9, resumes without losing or duplicating an example. ``<out>.env.json`` re
 environment of the first run.
 
 A results file holds one configuration: a run of another one on the same ``--out`` is refused.
-With ``keyed=True`` (the notebooks' caches) the file is :func:`keyed_path` instead, whose name carries
+With ``keyed=True`` the file is :func:`keyed_path` instead, whose name carries
 a hash of everything that changes a record (method configuration, model, seed, budget, fidelity,
 LLM judge, the trained judge file's bytes, the prompt prefix), so changing a parameter starts a new file and the
 same parameters resume the old one.
