@@ -444,6 +444,11 @@ class DropoutHead:
         logits = torch.sub(scaled, sums, out=sums) if sums.dtype == torch.float32 else torch.sub(scaled, sums).float()
         return logits if sums.shape[-1] == vocab else logits[..., :vocab].contiguous()
 
+    def _column_weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The sparse corrections' weight of each column of W, h / (1 - p): (n, d) float32 from hidden states (n, d).
+        The 1 / (1 - p) rides in them, so the heads are one subtraction from the scaled clean logits."""
+        return hidden.float() / (1.0 - self.p_drop)
+
     def _bag_sums(self, hidden: torch.Tensor, dropped: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The CPU sparse path's corrections ``W[:, D_i] h_{D_i} / (1 - p)`` (n, K, n_blocks * width), float32
         (``dtype``'s for bfloat16 columns): embedding bags over the rows of the blocked W^T, one bag per head and
@@ -452,8 +457,7 @@ class DropoutHead:
         together, a column read once), else fbgemm's bags; both within
         :func:`~dropmatch.heads.byte_columns.byte_correction_bounds`."""
         n, k, d = dropped.shape
-        # the 1 / (1 - p) rides in the columns' weights, so the heads are one subtraction from the scaled clean logits
-        column_weights = hidden.float() / (1.0 - self.p_drop)  # (n, d)
+        column_weights = self._column_weights(hidden)
         if dtype == BYTE_ROWWISE:
             blocks = self.byte_blocks()
             n_blocks, width = blocks.packed.shape[0] // d, blocks.width
@@ -503,7 +507,7 @@ class DropoutHead:
         fused = None
         if dtype == BYTE_ROWWISE:  # natively, the heads and their statistics in the column sums' own pass
             blocks = self.byte_blocks()
-            fused = kernels.byte_column_heads(blocks.packed, blocks.width, hidden[0].float() / (1.0 - self.p_drop),
+            fused = kernels.byte_column_heads(blocks.packed, blocks.width, self._column_weights(hidden)[0],
                                               dropped[0], clean, 1.0 - self.p_drop, draft_logits)
         if fused is not None:
             sums, statistics = fused[0].unsqueeze(0), fused[1]  # (1, K, padded V): the heads already
