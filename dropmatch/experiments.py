@@ -81,7 +81,7 @@ def run_methods(pair: ModelPair, task: str, configs: Mapping[str, MethodConfig],
     each example with its own :func:`example_seed`, at :func:`token_budget` new tokens) and return one
     row per method. MT-bench and KoMT-bench are graded by ``llm_judge``, else by the endpoint
     :func:`judge_from_env` names (none: no LLM grading). With ``prefix_cache`` the task's shared prompt
-    beginning is prefilled once per method (:func:`~dropmatch.runner.task_prefix`), in files of their own.
+    beginning is prefilled once (:func:`~dropmatch.runner.task_prefix`), in files of their own.
 
     Columns; ``<c>_lo`` / ``<c>_hi`` hold the bootstrap 95 % interval over the prompts of column ``c``:
 

@@ -7,7 +7,6 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -327,7 +326,6 @@ class Decoder:
         self.sampling = sampling or SamplingConfig()
         self.rule = build_rule(pair.target, self.config)
         self.drafter = build_drafter(pair, self.config)
-        self._prefixes: _Prefixes | None = None  # the latest prompt prefix asked for
         if self.sampling.greedy:
             pair.target.prepare()  # the screened head, built here rather than in the first timed step
 
@@ -352,44 +350,40 @@ class Decoder:
         start with (a task's few-shot exemplars), prefilled once for the target and for a draft model
         (:meth:`prompt_prefix`) and copied into each prompt's caches (:mod:`~dropmatch.prompt_cache`); the
         prompt's positions past them are prefilled as usual."""
-        cached = self._cached_prefix(prefix) if prefix else None
         model_drafter = _model_drafter(self.drafter)
         own = model_drafter.prefix if model_drafter is not None else None
-        if cached is not None and model_drafter is not None:  # for this call only
-            model_drafter.prefix = cached.draft
+        if prefix and model_drafter is not None:  # for this call only
+            model_drafter.prefix = shared_prompt_prefix(model_drafter.model, prefix)
         try:
             return generate(self.pair.target, self.token_ids(prompt), drafter=self.drafter, rule=self.rule,
                             draft_len=self.config.draft_len, max_new_tokens=max_new_tokens,
                             sampling=self.sampling, seed=seed, eos_token_ids=self.pair.eos_token_ids,
                             should_stop=StopOnText(self.pair.decode, stop) if stop else None,
-                            prefix=None if cached is None else cached.target)
+                            prefix=self.prompt_prefix(prefix) if prefix else None)
         finally:
             if model_drafter is not None:
                 model_drafter.prefix = own
 
     def prompt_prefix(self, prefix: Sequence[int]) -> PromptPrefix:
         """The target's :class:`~dropmatch.prompt_cache.PromptPrefix` of ``prefix`` (token ids) that
-        :meth:`generate` decodes from, with the feature layers an EAGLE-3 drafter reads."""
-        return self._cached_prefix(prefix).target
-
-    def _cached_prefix(self, prefix: Sequence[int]) -> _Prefixes:
-        """The target's and the draft model's prefixes of ``prefix``: computed on the first ask, kept until
-        another prefix is asked for."""
-        ids = tuple(int(i) for i in prefix)
-        if self._prefixes is None or self._prefixes.ids != ids:
-            layers = self.drafter.feature_layers if isinstance(self.drafter, FeatureDrafter) else ()
-            model_drafter = _model_drafter(self.drafter)
-            self._prefixes = _Prefixes(ids, self.pair.target.cache_prefix(ids, layers),
-                                       None if model_drafter is None else model_drafter.model.cache_prefix(ids))
-        return self._prefixes
+        :meth:`generate` decodes from, with the feature layers an EAGLE-3 drafter reads
+        (:func:`shared_prompt_prefix`)."""
+        layers = self.drafter.feature_layers if isinstance(self.drafter, FeatureDrafter) else ()
+        return shared_prompt_prefix(self.pair.target, prefix, layers)
 
 
-class _Prefixes(NamedTuple):
-    """A prompt prefix as :class:`Decoder` keeps it: its token ids, the target's states and the draft model's."""
+_PROMPT_PREFIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {layers: prefix}
 
-    ids: tuple[int, ...]
-    target: PromptPrefix
-    draft: PromptPrefix | None  # None: no draft model drafts
+
+def shared_prompt_prefix(model: CausalLM, prefix: Sequence[int], layers: Sequence[int] = ()) -> PromptPrefix:
+    """``model.cache_prefix(prefix, layers)``, computed once and shared by every :class:`Decoder` on ``model``
+    (the runs of a task's methods and their greedy reference prefill its few-shot exemplars once, not once
+    each); a model keeps the latest prefix of each set of feature layers."""
+    ids, layers = tuple(int(i) for i in prefix), tuple(layers)
+    kept = _PROMPT_PREFIXES.setdefault(model, {})
+    if layers not in kept or tuple(kept[layers].ids.tolist()) != ids:
+        kept[layers] = model.cache_prefix(ids, layers)
+    return kept[layers]
 
 
 def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:

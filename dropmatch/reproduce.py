@@ -90,7 +90,7 @@ PRESETS: dict[str, dict] = {
     #   total ~ 6300 s = 105 min. Not in those speeds: GSM8K's 8-shot prompt (~1350 tokens) cost ~3-4.5 s of
     #   target (+ draft) prefill per generation (smoke-run records), up to ~17 min over the ~250 GSM8K
     #   generations (warm-ups included), and as much again for the fidelity NLLs; since 2026-12-08 the runner
-    #   prefills the shared exemplars once per method (runner.task_prefix), which removes most of both.
+    #   prefills the shared exemplars once per model (runner.task_prefix), which removes most of both.
     #   Levers: n_headline (~1.5 min per prompt), the GSM8K cap (~3.5 min per 10 tokens).
     #   Measured on a 2-core AVX2 EPYC (no native bfloat16, float32 heads; cdd5a40): notebooks 00-04 took
     #   7298 s (03: 2771 s, 04: 3671 s), the whole series about three hours.

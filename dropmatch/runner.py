@@ -16,7 +16,8 @@ LLM judge, the trained judge file's bytes, the prompt prefix), so changing a par
 same parameters resume the old one.
 
 A task whose prompts share a long beginning (GSM8K's and KLUE-NLI's few-shot exemplars) has it prefilled once
-per method (:func:`task_prefix`, ``prefix_cache=True``, the default): each prompt copies those positions' states
+per model (:func:`task_prefix`, ``prefix_cache=True``, the default; shared by every method's run and the reference,
+:func:`~dropmatch.methods.shared_prompt_prefix`): each prompt copies those positions' states
 (:mod:`~dropmatch.prompt_cache`) and prefills only its own question, for the target, a draft model and the
 fidelity reference alike, and the NLLs read the same cached states. The states are those of a whole-prompt
 prefill, computed in other GEMM calls, so a near-tie may break the other way than without the cache; records

@@ -144,3 +144,20 @@ def test_the_notebooks_result_files_name_a_cached_prefix(tiny, tmp_path):
     none = run_methods(tiny, "humaneval", sd, tmp_path, n_prompts=1, max_new_tokens=2, fidelity=False, progress=False)
     assert cached.records[0].endswith(f"-new2-prefix{prefix_digest(task_prefix(tiny, TASK))}.jsonl")
     assert cold.records[0].endswith("-new2.jsonl") and none.records[0].endswith("-new2.jsonl")  # names of before
+
+
+def test_a_tasks_methods_and_their_reference_prefill_the_prefix_once(tiny, tmp_path, monkeypatch):
+    from dropmatch.models import CausalLM
+
+    prefilled = []  # (model, layers) of each prefix computed
+    cache_prefix = CausalLM.cache_prefix
+
+    def spy(self, ids, layers=()):
+        prefilled.append((self, tuple(layers)))
+        return cache_prefix(self, ids, layers)
+
+    monkeypatch.setattr(CausalLM, "cache_prefix", spy)
+    for name, config in (("sd", MethodConfig("sd")), ("dm", MethodConfig("dropmatch", p_drop=0.3))):
+        run_task(Decoder(tiny, config), "gsm8k", tmp_path / f"{name}.jsonl", limit=1, max_new_tokens=2, fidelity=True,
+                 progress=False, reference_cache=tmp_path / "greedy.jsonl", warmup=False)
+    assert len(prefilled) == 2 and set(prefilled) == {(tiny.target, ()), (tiny.draft, ())}  # two runs, a reference
